@@ -1,0 +1,32 @@
+# One command from a fresh clone: `make test` builds .venv (CPU torch, deepspeed from source) and runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv test test-fast lint bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip wheel setuptools
+	# torch first: on this CPU machine the pin resolves to the CPU build on disk, on a GPU cluster to CUDA.
+	$(PIP) install torch==$(TORCH_VERSION)
+	# deepspeed builds against the torch above, so it must not get an isolated build environment.
+	$(PIP) install --no-build-isolation deepspeed
+	$(PIP) install -e '.[dev,mpi]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
+
+lint: venv
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

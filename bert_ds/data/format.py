@@ -1,0 +1,95 @@
+"""The on-disk sample layout inside the WebDataset tar shards, and the ``index.json`` schema version.
+
+Each sample is one tar member named ``<key>.pair`` (``key`` = 12 decimal digits, the sample's index within its
+shard set) holding a fixed little-endian binary layout; nothing is pickled:
+
+    offset  size        field
+    0       2  uint16   length L            tokens in ``[CLS] A [SEP] B [SEP]`` (no padding stored)
+    2       2  uint16   segment_a_length    tokens with segment id 0 (``[CLS] A [SEP]``); the rest up to L are 1
+    4       2  uint16   num_predictions P   masked positions
+    6       1  uint8    nsp_label           0 = IsNext (B follows A), 1 = NotNext (random B), as Google/HF
+    7       1  uint8    reserved (0)
+    8       L  * id     input_ids           after masking; ``id`` is uint16 (vocab <= 65536) or uint32 (index.json)
+    ...     P  * 2      masked_positions    uint16, ascending
+    ...     P  * id     masked_ids          the original token ids at those positions
+
+Segment ids are stored as their boundary (``segment_a_length``): that is the whole of the information they carry.
+The original (unmasked) sequence is ``input_ids`` with ``masked_ids`` written back at ``masked_positions``, which is
+what dynamic masking at load time starts from.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "MEMBER_SUFFIX", "Sample", "id_dtype_for_vocab", "encode_sample",
+    "decode_sample",
+]
+
+FORMAT_NAME = "bert_ds.pairs"
+FORMAT_VERSION = 1
+MEMBER_SUFFIX = "pair"
+_HEADER = struct.Struct("<HHHBB")
+
+
+def id_dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """The compact token-id dtype for a vocabulary: uint16 up to 65,536 entries, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+@dataclass
+class Sample:
+    input_ids: np.ndarray  # (L,) id dtype, masked
+    segment_a_length: int
+    masked_positions: np.ndarray  # (P,) uint16
+    masked_ids: np.ndarray  # (P,) id dtype, original ids at masked_positions
+    nsp_label: int
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def segment_ids(self) -> np.ndarray:
+        seg = np.zeros(self.length, dtype=np.uint8)
+        seg[self.segment_a_length:] = 1
+        return seg
+
+    def original_ids(self) -> np.ndarray:
+        ids = self.input_ids.copy()
+        ids[self.masked_positions.astype(np.int64)] = self.masked_ids
+        return ids
+
+
+def encode_sample(sample: Sample, id_dtype: np.dtype) -> bytes:
+    n, p = sample.length, int(sample.masked_positions.shape[0])
+    if not 0 < sample.segment_a_length < n or n > 65535:
+        raise ValueError(f"bad sample: length={n} segment_a_length={sample.segment_a_length}")
+    header = _HEADER.pack(n, sample.segment_a_length, p, int(sample.nsp_label), 0)
+    return b"".join((
+        header,
+        np.ascontiguousarray(sample.input_ids, dtype=id_dtype).tobytes(),
+        np.ascontiguousarray(sample.masked_positions, dtype="<u2").tobytes(),
+        np.ascontiguousarray(sample.masked_ids, dtype=id_dtype).tobytes(),
+    ))
+
+
+def decode_sample(data: bytes | memoryview, id_dtype: np.dtype, *, where: str = "sample") -> Sample:
+    """Parse one ``.pair`` member. ``where`` names the shard/member in the error raised on a malformed record."""
+    if len(data) < _HEADER.size:
+        raise ValueError(f"{where}: truncated record ({len(data)} bytes)")
+    n, seg_a, p, nsp, _ = _HEADER.unpack_from(data, 0)
+    width = id_dtype.itemsize
+    expected = _HEADER.size + n * width + p * 2 + p * width
+    if len(data) != expected:
+        raise ValueError(f"{where}: record is {len(data)} bytes, header says {expected} (length={n}, predictions={p})")
+    off = _HEADER.size
+    input_ids = np.frombuffer(data, dtype=id_dtype, count=n, offset=off)
+    off += n * width
+    positions = np.frombuffer(data, dtype="<u2", count=p, offset=off)
+    off += p * 2
+    masked_ids = np.frombuffer(data, dtype=id_dtype, count=p, offset=off)
+    return Sample(input_ids, seg_a, positions, masked_ids, nsp)
