@@ -1,0 +1,159 @@
+"""Shard-set description (``index.json``) and the tar writer that produces its entries.
+
+A shard set is a directory of ``shard-NNNNNN.tar`` files plus one ``index.json``. The index is written last and
+atomically, so a directory with an ``index.json`` always describes complete shards; a crashed run leaves no index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bert_ds.data.format import FORMAT_NAME, FORMAT_VERSION
+
+__all__ = ["INDEX_NAME", "ShardInfo", "ShardIndex", "ShardWriter", "vocab_sha256", "file_sha256", "shard_name"]
+
+INDEX_NAME = "index.json"
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:06d}.tar"
+
+
+def vocab_sha256(vocab_file: str | Path) -> str:
+    """Hash of the vocabulary's token list (one token per line, line endings and trailing blank lines ignored)."""
+    tokens = Path(vocab_file).read_text(encoding="utf-8").splitlines()
+    while tokens and tokens[-1] == "":
+        tokens.pop()
+    return hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class ShardIndex:
+    seq_len: int
+    vocab_size: int
+    vocab_sha256: str
+    id_dtype: str
+    """numpy dtype string of stored token ids: ``<u2`` or ``<u4``."""
+    lowercase: bool
+    masking: dict
+    """e.g. {"masked_lm_prob": 0.15, "max_predictions": 20, "whole_word_mask": false, "mask/random/keep": ...}"""
+    pairing: dict
+    """e.g. {"short_seq_prob": 0.1, "dupe_factor": 5, "nsp": true}"""
+    seed: int
+    shards: list[ShardInfo] = field(default_factory=list)
+    total_samples: int = 0
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+    """Free-form provenance (inputs, skipped documents, tool version)."""
+
+    def __post_init__(self) -> None:
+        self.shards = [s if isinstance(s, ShardInfo) else ShardInfo(**s) for s in self.shards]
+        counted = sum(s.samples for s in self.shards)
+        if self.shards and self.total_samples != counted:
+            raise ValueError(f"index.json: total_samples={self.total_samples} but shards hold {counted}")
+
+    def write(self, directory: str | Path) -> Path:
+        """Write ``index.json`` atomically (temp file + rename)."""
+        path = Path(directory) / INDEX_NAME
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ShardIndex:
+        path = Path(directory) / INDEX_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no index.json; is {directory} a bert_ds shard directory?")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        if data.get("format") != FORMAT_NAME:
+            raise ValueError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: field 'format_version' is {data.get('format_version')!r}; "
+                             f"this bert_ds reads version {FORMAT_VERSION}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(known - set(data) - {"extra"})
+        if missing:
+            raise ValueError(f"{path}: missing field(s) {missing}")
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown field(s) {unknown}")
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+
+    def check_compatible(self, *, seq_len: int | None = None, vocab_sha256: str | None = None,
+                         vocab_size: int | None = None, where: str = "shards") -> None:
+        """Refuse a shard set that does not match the run, naming the field."""
+        for name, want in (("seq_len", seq_len), ("vocab_sha256", vocab_sha256), ("vocab_size", vocab_size)):
+            have = getattr(self, name)
+            if want is not None and have != want:
+                raise ValueError(f"{where}/{INDEX_NAME}: field '{name}' is {have!r} but the run expects {want!r}")
+
+
+class ShardWriter:
+    """Writes one tar shard to ``<name>.tmp`` and renames it on ``close()``; returns its ``ShardInfo``.
+
+    Members get a fixed mtime/uid/name so the same samples always produce byte-identical shards."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self._file = open(self.tmp, "wb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self.samples = 0
+
+    def write(self, member_name: str, payload: bytes) -> None:
+        info = tarfile.TarInfo(member_name)
+        info.size = len(payload)
+        info.mtime = 0
+        info.mode = 0o444
+        info.uname = info.gname = "bert_ds"
+        self._tar.addfile(info, io.BytesIO(payload))
+        self.samples += 1
+
+    def close(self) -> ShardInfo:
+        self._tar.close()
+        self._file.close()
+        os.replace(self.tmp, self.path)
+        return ShardInfo(self.path.name, self.samples, self.path.stat().st_size, file_sha256(self.path))
+
+    def abort(self) -> None:
+        self._tar.close()
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
