@@ -1,0 +1,158 @@
+"""Held-out evaluation: masked-LM and next-sentence accuracy over a whole shard set.
+
+``mlm_accuracy`` is MLPerf BERT's quality metric: correct masked predictions / all masked predictions of the eval set,
+summed over batches and ranks (a mean of per-batch accuracies would weigh a batch with few masks like a full one).
+Losses are weighted the same way: masked-LM loss by masked tokens, NSP loss by sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bert_ds.config import BertConfig
+
+if TYPE_CHECKING:
+    from bert_ds.export import CheckpointRef
+
+__all__ = ["MODEL_INPUTS", "evaluate", "load_checkpoint_model", "evaluate_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
+                "next_sentence_label")
+"""Batch keys passed to the model (the loader's ``lengths`` is not a model input)."""
+
+# Slots of the running-sum vector (float64: exact for counts far beyond any eval set, and fine for NCCL and gloo).
+_MLM_CORRECT, _MLM_TOTAL, _NSP_CORRECT, _NSP_TOTAL, _MLM_LOSS_SUM, _NSP_LOSS_SUM, _SAMPLES = range(7)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, eval_loader: Iterable[dict], device: torch.device | str | None = None, *,
+             max_batches: int | None = None) -> dict:
+    """Run ``model`` over ``eval_loader`` and return the global metrics.
+
+    Returns ``mlm_accuracy``, ``nsp_accuracy``, ``mlm_loss``, ``nsp_loss`` (the NSP entries are None when the
+    batches carry no ``next_sentence_label``), ``samples`` and ``masked_tokens``. ``device`` defaults to the model's.
+    The model runs in eval mode (no dropout) and gets its previous mode back. When ``torch.distributed`` is
+    initialised every rank must call this (each on its own slice of the data); the sums are all-reduced, so every
+    rank returns the same global numbers.
+    """
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be >= 1 or None, got {max_batches!r}")
+    device = torch.device(device) if device is not None else _model_device(model)
+    sums = torch.zeros(7, dtype=torch.float64, device=device)
+    has_nsp = False
+    was_training = model.training
+    model.eval()
+    try:
+        for i, batch in enumerate(eval_loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            # Every key but the NSP label is required (MLM-only shard sets have none).
+            inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS
+                      if k != "next_sentence_label" or batch.get(k) is not None}
+            out = model(**inputs)
+            # Counts stay on the device: one synchronisation at the end, not one per batch.
+            sums[_MLM_CORRECT] += out.mlm_correct.double()
+            sums[_MLM_TOTAL] += out.mlm_total.double()
+            sums[_MLM_LOSS_SUM] += out.mlm_loss.double() * out.mlm_total.double()  # batch mean × its weight
+            sums[_SAMPLES] += inputs["input_ids"].shape[0]
+            if out.nsp_loss is not None:
+                has_nsp = True
+                sums[_NSP_CORRECT] += out.nsp_correct.double()
+                sums[_NSP_TOTAL] += out.nsp_total.double()
+                sums[_NSP_LOSS_SUM] += out.nsp_loss.double() * out.nsp_total.double()
+    finally:
+        model.train(was_training)
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+        flag = torch.tensor([float(has_nsp)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a rank with no batches still agrees on the NSP entries
+        has_nsp = bool(flag.item())
+    s = sums.tolist()
+    if s[_SAMPLES] == 0:
+        raise ValueError("evaluate: the eval loader yielded no batches")
+    masked = s[_MLM_TOTAL]
+    nsp_total = s[_NSP_TOTAL]
+    return {
+        "mlm_accuracy": s[_MLM_CORRECT] / masked if masked else 0.0,
+        "nsp_accuracy": (s[_NSP_CORRECT] / nsp_total if nsp_total else 0.0) if has_nsp else None,
+        "mlm_loss": s[_MLM_LOSS_SUM] / masked if masked else 0.0,
+        "nsp_loss": (s[_NSP_LOSS_SUM] / nsp_total if nsp_total else 0.0) if has_nsp else None,
+        "samples": int(s[_SAMPLES]),
+        "masked_tokens": int(masked),
+    }
+
+
+def load_checkpoint_model(checkpoint_dir: str | Path, tag: str | None = None, *, kernels: str = "auto"):
+    """A :class:`BertForPreTraining` with the consolidated fp32 weights of a bert_ds training checkpoint.
+
+    Returns ``(model, ref)`` where ``ref`` (:class:`bert_ds.export.CheckpointRef`) names the resolved tag, the model
+    config and the tokenizer directory. Raises ``bert_ds.export.ExportError`` (a ValueError) for a missing
+    directory, tag, ``model_config.json`` or tokenizer, and for weights that do not fit the config."""
+    from bert_ds.export import find_checkpoint
+
+    ref = find_checkpoint(checkpoint_dir, tag)
+    return _model_from_checkpoint(ref, kernels), ref
+
+
+def _model_from_checkpoint(ref: CheckpointRef, kernels: str) -> nn.Module:
+    from bert_ds.export import ExportError, consolidate_checkpoint
+    from bert_ds.model import BertForPreTraining
+
+    state = consolidate_checkpoint(ref)
+    model = BertForPreTraining(ref.config, kernels=kernels)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ExportError(f"{ref.checkpoint_dir / ref.tag}: weights do not match model_config.json: {exc}") from exc
+    return model
+
+
+def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag: str | None = None,
+                        batch_size: int = 32, max_batches: int | None = None, device: str | None = None,
+                        num_workers: int = 0, kernels: str = "auto") -> dict:
+    """Evaluate a training checkpoint on a shard set whose vocabulary must be the checkpoint's tokenizer's.
+
+    Adds ``checkpoint`` and ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError with the
+    offending path for a missing or incompatible checkpoint or data directory."""
+    from bert_ds.data.index import ShardIndex, vocab_sha256
+    from bert_ds.data.loader import build_eval_loader
+    from bert_ds.export import find_checkpoint
+
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"{data_dir}: eval data directory does not exist")
+    index = ShardIndex.load(data_dir)
+    ref = find_checkpoint(checkpoint_dir, tag)
+    config: BertConfig = ref.config
+    vocab_hash = vocab_sha256(ref.tokenizer_dir / "vocab.txt")
+    index.check_compatible(vocab_sha256=vocab_hash, vocab_size=config.vocab_size, where=str(data_dir))
+    if index.seq_len > config.max_position_embeddings:
+        raise ValueError(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "
+                         f"max_position_embeddings={config.max_position_embeddings}")
+
+    # Compatibility first: consolidating a large ZeRO checkpoint takes a while and should not precede a refusal.
+    model = _model_from_checkpoint(ref, kernels)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(device)
+    loader = build_eval_loader(data_dir, micro_batch_size=batch_size, num_workers=num_workers,
+                               expected_vocab_sha256=vocab_hash)
+    log.info("evaluating %s (tag %s) on %s: %d samples, seq_len %d, device %s", ref.checkpoint_dir, ref.tag,
+             data_dir, index.total_samples, index.seq_len, device)
+    metrics = evaluate(model, loader, device, max_batches=max_batches)
+    return {**metrics, "checkpoint": str(ref.checkpoint_dir), "tag": ref.tag}

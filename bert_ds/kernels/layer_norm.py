@@ -1,0 +1,182 @@
+"""LayerNorm over the last dim, optionally fused with a residual add: ``LN(x + residual)``.
+
+Twins: :func:`layer_norm_torch` (``F.layer_norm``, the reference and CPU path),
+:func:`layer_norm_triton` (one program per row forward; backward recomputes ``x + residual`` from
+the inputs and writes per-program partial sums for the weight/bias gradients, reduced in torch, so
+no atomics), and :func:`layer_norm_apex` (NVIDIA apex ``fused_layer_norm_affine``).
+Statistics and arithmetic are fp32 inside the kernels; outputs take the input dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .jit import LateJIT
+
+__all__ = ["LAYER_NORM_CONFIGS", "apex_available", "layer_norm_apex", "layer_norm_torch", "layer_norm_triton"]
+
+# Launch settings shipped for the Triton kernels; tools/kernel_report.py compiles exactly these.
+# Rows per backward program: enough that the (programs, N) partial-sum buffer stays small.
+LAYER_NORM_CONFIGS = {
+    "fwd": {"num_warps": 4},
+    "bwd": {"ROWS_PER_PROGRAM": 16, "num_warps": 4},
+}
+
+
+def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: ``F.layer_norm(x + residual)`` over the last dim."""
+    if residual is not None:
+        x = x + residual
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def apex_available() -> bool:
+    """True when NVIDIA apex's fused LayerNorm (and its CUDA extension) imports.
+
+    The unrelated PyPI package named ``apex`` has no ``apex.normalization``, so it reads as absent.
+    """
+    try:
+        importlib.import_module("apex.normalization.fused_layer_norm")
+        importlib.import_module("fused_layer_norm_cuda")
+    except ImportError:
+        return False
+    return True
+
+
+def layer_norm_apex(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """NVIDIA apex fused LayerNorm; the residual add (if any) is a separate torch op."""
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+
+    if residual is not None:
+        x = x + residual
+    return fused_layer_norm_affine(x, weight, bias, (x.shape[-1],), eps)
+
+
+@LateJIT
+def _layer_norm_fwd_kernel(
+    X, R, Y, W, B, Mean, Rstd,
+    stride_x, stride_r, stride_y, N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(xc * xc, axis=0) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xc * rstd * w + b
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+
+@LateJIT
+def _layer_norm_bwd_kernel(
+    X, R, DY, DX, W, Mean, Rstd, DW_partial, DB_partial,
+    stride_x, stride_r, stride_dy, stride_dx, M, N,
+    HAS_RESIDUAL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # dxhat = w * dy;  dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat));  d(residual) = dx.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(ROWS_PER_PROGRAM):
+        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i
+        # Rows past M are masked out column-wise (n_valid = 0) and read stats from row M-1.
+        mask = cols < tl.where(row < M, N, 0)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + tl.minimum(row, M - 1))
+        rstd = tl.load(Rstd + tl.minimum(row, M - 1))
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        dxhat = w * dy
+        c1 = tl.sum(xhat * dxhat, axis=0) / N
+        c2 = tl.sum(dxhat, axis=0) / N
+        dx = (dxhat - (xhat * c1 + c2)) * rstd
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+        db += dy
+    tl.store(DW_partial + pid * N + cols, dw, mask=col_mask)
+    tl.store(DB_partial + pid * N + cols, db, mask=col_mask)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit stride along N (copies only when needed)."""
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _LayerNormTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps):
+        n = x.shape[-1]
+        x2 = _rows(x, n)
+        r2 = _rows(residual, n) if residual is not None else x2
+        m = x2.shape[0]
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        mean = torch.empty(m, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        block_n = triton.next_power_of_2(n)
+        if m > 0:
+            _layer_norm_fwd_kernel[(m,)](
+                x2, r2, y, weight, bias, mean, rstd,
+                x2.stride(0), r2.stride(0), y.stride(0), n, eps,
+                HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, **LAYER_NORM_CONFIGS["fwd"],
+            )
+        ctx.save_for_backward(x2, r2, weight, mean, rstd)
+        ctx.has_residual = residual is not None
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.bias_dtype = bias.dtype
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, r2, weight, mean, rstd = ctx.saved_tensors
+        m, n = x2.shape
+        dy2 = _rows(dy, n)
+        dx = torch.empty_like(x2)
+        rows_per_program = LAYER_NORM_CONFIGS["bwd"]["ROWS_PER_PROGRAM"]
+        programs = triton.cdiv(m, rows_per_program)
+        dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+        db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+        if m > 0:
+            _layer_norm_bwd_kernel[(programs,)](
+                x2, r2, dy2, dx, weight, mean, rstd, dw_partial, db_partial,
+                x2.stride(0), r2.stride(0), dy2.stride(0), dx.stride(0), m, n,
+                HAS_RESIDUAL=ctx.has_residual, BLOCK_N=triton.next_power_of_2(n), **LAYER_NORM_CONFIGS["bwd"],
+            )
+        dw = dw_partial.sum(0).to(weight.dtype)
+        db = db_partial.sum(0).to(ctx.bias_dtype)
+        dx = dx.view(ctx.shape)
+        dres = dx.to(ctx.residual_dtype) if ctx.has_residual else None
+        return dx, dw, db, dres, None
+
+
+def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``LN(x + residual)``; differentiable in x, residual, weight and bias."""
+    if x.shape[-1] != weight.shape[-1] or weight.shape != bias.shape or weight.dim() != 1:
+        raise ValueError(f"layer_norm: weight/bias must be ({x.shape[-1]},), got {tuple(weight.shape)} "
+                         f"and {tuple(bias.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    return _LayerNormTriton.apply(x, weight.contiguous(), bias.contiguous(), residual, float(eps))

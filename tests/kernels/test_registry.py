@@ -1,0 +1,91 @@
+"""Backend registry: auto fallback warns once, explicit impossible requests raise, stock LayerNorm layout."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from bert_ds.kernels import BACKENDS, LayerNorm, attention, bias_gelu, layer_norm, resolve_backend
+from bert_ds.kernels.layer_norm import apex_available
+
+CPU = torch.device("cpu")
+
+
+def test_backends_tuple():
+    assert BACKENDS == ("auto", "triton", "torch", "apex")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "bias_gelu", "attention"])
+def test_auto_falls_back_on_cpu_with_exactly_one_warning(op, fresh_warnings):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert [resolve_backend(op, "auto", CPU) for _ in range(3)] == ["torch"] * 3
+    fallback = [w for w in record if issubclass(w.category, RuntimeWarning) and op in str(w.message)]
+    assert len(fallback) == 1
+
+
+def test_auto_ops_run_on_cpu_and_match_torch(fresh_warnings):
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    with pytest.warns(RuntimeWarning):
+        torch.testing.assert_close(layer_norm(x, w, b, 1e-12), layer_norm(x, w, b, 1e-12, backend="torch"))
+        torch.testing.assert_close(bias_gelu(x, b), bias_gelu(x, b, backend="torch"))
+        q = torch.randn(1, 2, 4, 8)
+        torch.testing.assert_close(attention(q, q, q), attention(q, q, q, backend="torch"))
+
+
+def test_auto_is_triton_on_cuda_device():
+    assert resolve_backend("attention", "auto", torch.device("cuda")) == "triton"
+
+
+def test_explicit_triton_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        resolve_backend("layer_norm", "triton", CPU)
+
+
+def test_explicit_triton_on_cpu_with_interpreter_resolves(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("bias_gelu", "triton", CPU) == "triton"
+
+
+@pytest.mark.skipif(apex_available(), reason="NVIDIA apex is installed here")
+def test_explicit_apex_missing_raises():
+    with pytest.raises(RuntimeError, match="apex"):
+        resolve_backend("layer_norm", "apex", torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="apex"):
+        layer_norm(torch.randn(2, 8), torch.ones(8), torch.zeros(8), 1e-12, backend="apex")
+
+
+@pytest.mark.parametrize("op", ["bias_gelu", "attention"])
+def test_apex_only_for_layer_norm(op):
+    with pytest.raises(ValueError, match="only available for layer_norm"):
+        resolve_backend(op, "apex", torch.device("cuda"))
+
+
+def test_unknown_names_raise():
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend("layer_norm", "cudnn", CPU)
+    with pytest.raises(ValueError, match="op"):
+        resolve_backend("softmax", "auto", CPU)
+    with pytest.raises(ValueError, match="backend"):
+        LayerNorm(8, backend="fast")
+
+
+def test_layer_norm_module_has_stock_state_dict():
+    ours, stock = LayerNorm(768, eps=1e-12, backend="torch"), nn.LayerNorm(768, eps=1e-12)
+    assert list(ours.state_dict()) == list(stock.state_dict()) == ["weight", "bias"]
+    nn.init.normal_(stock.weight)
+    nn.init.normal_(stock.bias)
+    ours.load_state_dict(stock.state_dict())
+    x, r = torch.randn(3, 5, 768), torch.randn(3, 5, 768)
+    torch.testing.assert_close(ours(x), stock(x))
+    torch.testing.assert_close(ours(x, residual=r), stock(x + r))
+
+
+def test_layer_norm_module_triton_backend_under_interpreter():
+    ours, stock = LayerNorm(96, backend="triton"), nn.LayerNorm(96, eps=1e-12)
+    x = torch.randn(2, 7, 96)
+    torch.testing.assert_close(ours(x), stock(x), atol=1e-5, rtol=1e-5)
