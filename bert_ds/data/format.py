@@ -1,7 +1,8 @@
 """The on-disk sample layout inside the WebDataset tar shards, and the ``index.json`` schema version.
 
-Each sample is one tar member named ``<key>.pair`` (``key`` = 12 decimal digits, the sample's index within its
-shard set) holding a fixed little-endian binary layout; nothing is pickled:
+Each sample is one tar member named ``<key>.pair`` (``key`` = 12 decimal digits, unique within the shard set:
+shard creation uses ``<chunk:06d><sample-in-chunk:06d>``) holding a fixed little-endian binary layout; nothing is
+pickled:
 
     offset  size        field
     0       2  uint16   length L            tokens in ``[CLS] A [SEP] B [SEP]`` (no padding stored)

@@ -1,0 +1,433 @@
+"""Shard creation: raw text -> tokenized documents -> NSP pairs -> static masking -> tar shards + ``index.json``.
+
+Determinism and memory. The input is read as a stream of documents and cut into *chunks* of consecutive documents
+(about one shard's worth of input bytes, at document boundaries; the cut depends only on the inputs, ``seq_len``,
+``dupe_factor`` and ``samples_per_shard``). A chunk is the unit of work: it is tokenized once, paired
+``dupe_factor`` times (random B documents come from the same chunk) with RNGs seeded from ``(seed, chunk, dupe)``,
+masked, shuffled, and written as one shard ``shard-<chunk>.tar`` whose sample keys are ``<chunk:06d><sample:06d>``
+(unique in the set). Workers (``multiprocessing``) and MPI ranks (``mpi4py`` under ``mpirun``; chunk c goes to rank
+c mod size; every rank reads the input stream, only to find the cuts) only decide *who* processes a chunk, so every
+shard's bytes are the same for any number of workers or ranks, and a process holds a few chunks at a time, never the
+corpus. Rank 0 gathers the ``ShardInfo`` and writes ``index.json`` last and atomically; a failed run removes its
+shards and leaves no index.
+
+Bad input (each a ``ValueError``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
+inputs; fewer than two usable documents; invalid UTF-8 (file, line, byte offset); a JSON line without a string
+``text``; a tokenizer directory without ``vocab.txt``; a ``seq_len`` below 5 (``[CLS] A [SEP] B [SEP]`` with one
+token each) or above 65535; an output directory that already holds a shard set, the same or a different one (pass
+``overwrite=True`` / ``--overwrite``; leftovers of an unfinished run, shards without an index, are simply replaced).
+Counted skips, in ``index.json`` ``extra.skipped``: documents with fewer than two sentences (see ``pairs``) and
+sentences that tokenize to nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import struct
+import sys
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bert_ds.data.format import MEMBER_SUFFIX, Sample, encode_sample, id_dtype_for_vocab
+from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardInfo, ShardWriter, shard_name
+from bert_ds.data.masking import (
+    KEEP_PROB,
+    MASK_PROB,
+    RANDOM_PROB,
+    choose_pair_positions,
+    default_max_predictions,
+    mask_tokens,
+    replacement_kinds,
+    word_ids_from_pieces,
+)
+from bert_ds.data.pairs import Pair, create_pairs, pair_input_ids, tokenize_documents
+from bert_ds.data.text import RawDocument, input_files, iter_documents, sentence_splitter_name, split_sentences
+from bert_ds.data.tokenizer import WordPieceTokenizer, load_tokenizer
+
+__all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "main"]
+
+# Rough English WordPiece density and fill rate, used only to size chunks so that a shard holds about
+# samples_per_shard samples (30k uncased vocab: ~4.3 bytes of text per token; pairs fill ~80% of seq_len on average).
+_BYTES_PER_TOKEN = 4.3
+_TOKENS_PER_SAMPLE_FILL = 0.8
+_MIN_CHUNK_DOCUMENTS = 2  # random B needs another document in the chunk
+_MAX_KEY = 10**6  # sample keys are <chunk:06d><sample:06d>
+_PAIRING, _MASKING, _SHUFFLE = 0, 1, 2  # RNG stream ids
+
+
+@dataclass(frozen=True)
+class CreateParams:
+    """Everything a worker needs to turn a chunk into a shard (picklable)."""
+
+    tokenizer_dir: str
+    out_dir: str
+    seq_len: int
+    max_predictions: int
+    dupe_factor: int
+    short_seq_prob: float
+    masked_lm_prob: float
+    whole_word_mask: bool
+    seed: int
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    shard: ShardInfo | None
+    counts: dict = field(default_factory=dict)
+
+
+def iter_chunks(files: Sequence[Path], chunk_bytes: int) -> Iterator[tuple[int, list[RawDocument], int]]:
+    """Cut the document stream into ``(chunk index, documents, bytes)``; the cut depends on the text alone.
+
+    A chunk closes once it holds ``chunk_bytes`` bytes of input and at least two documents that may pair; a tail with
+    less than half of that, or without two such documents, joins the chunk before it. Empty documents are dropped."""
+    pending: tuple[list[RawDocument], int] | None = None
+    docs: list[RawDocument] = []
+    nbytes = usable = 0
+    index = 0
+    for doc, size in iter_documents(files):
+        nbytes += size
+        if not doc:
+            continue
+        docs.append(doc)
+        usable += isinstance(doc, str) or len(doc) >= 2
+        if nbytes >= chunk_bytes and usable >= _MIN_CHUNK_DOCUMENTS:
+            if pending is not None:
+                yield index, pending[0], pending[1]
+                index += 1
+            pending, docs, nbytes, usable = (docs, nbytes), [], 0, 0
+    if docs:
+        # The tail becomes a chunk of its own only if it is worth a shard (half a chunk) and can pair by itself.
+        if pending is None or (usable >= _MIN_CHUNK_DOCUMENTS and 2 * nbytes >= chunk_bytes):
+            if pending is not None:
+                yield index, pending[0], pending[1]
+                index += 1
+            pending = (docs, nbytes)
+        else:
+            pending = (pending[0] + docs, pending[1] + nbytes)
+    if pending is not None:
+        yield index, pending[0], pending[1]
+
+
+def _rng_seed(seed: int, chunk: int, dupe: int, stream: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence([seed, chunk, dupe, stream])
+
+
+_TOKENIZERS: dict[str, WordPieceTokenizer] = {}
+
+
+def _tokenizer(directory: str) -> WordPieceTokenizer:
+    if directory not in _TOKENIZERS:
+        _TOKENIZERS[directory] = load_tokenizer(directory)
+    return _TOKENIZERS[directory]
+
+
+_HEADER = struct.Struct("<HHHBB")  # format.py's record header; tests check the records against encode_sample
+
+
+def _encode_batch(ids: np.ndarray, pairs: list[Pair], rng: np.random.Generator, params: CreateParams, *, cls_id: int,
+                  sep_id: int, mask_id: int, vocab_size: int) -> list[bytes]:
+    """Assemble, mask (per token) and encode many pairs with whole-array operations: the same records as
+    ``pair_input_ids`` + ``mask_tokens`` + ``encode_sample`` per sample give, without their per-sample overhead."""
+    n = len(pairs)
+    if n == 0:
+        return []
+    table = np.array(pairs, dtype=np.int64).reshape(n, len(Pair._fields))
+    a0, a1, b0, b1, labels = (table[:, i] for i in range(5))
+    la, lb = a1 - a0, b1 - b0
+    length = la + lb + 3
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(length, out=starts[1:])
+    # Gather [CLS] A [SEP] B [SEP] for every pair in one indexing: ext = ids + [CLS, SEP] at its end.
+    t = ids.shape[0]
+    ext = np.concatenate([ids, np.array([cls_id, sep_id], dtype=ids.dtype)])
+    ones = np.ones(n, dtype=np.int64)
+    seg_start = np.stack([ones * t, a0, ones * (t + 1), b0, ones * (t + 1)], axis=1).ravel()
+    seg_len = np.stack([ones, la, ones, lb, ones], axis=1).ravel()
+    seg_off = np.zeros(seg_len.shape[0], dtype=np.int64)
+    np.cumsum(seg_len[:-1], out=seg_off[1:])
+    flat = ext[np.repeat(seg_start - seg_off, seg_len) + np.arange(int(starts[-1]))]
+
+    num, pos = choose_pair_positions(la, lb, rng, max_predictions=params.max_predictions,
+                                     masked_lm_prob=params.masked_lm_prob)
+    valid = pos >= 0
+    gpos = pos + starts[:-1, None]
+    to_mask, to_random = replacement_kinds(pos.shape, rng)
+    original = flat[gpos[valid]]
+    masked = flat.copy()
+    masked[gpos[valid & to_mask]] = mask_id
+    rand_at = gpos[valid & to_random]
+    masked[rand_at] = rng.integers(0, vocab_size, size=rand_at.shape[0])
+
+    w = ids.dtype.itemsize
+    ids_bytes, pos_bytes, orig_bytes = masked.tobytes(), pos[valid].astype("<u2").tobytes(), original.tobytes()
+    pstart = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(num, out=pstart[1:])
+    s, p = starts.tolist(), pstart.tolist()
+    pack = _HEADER.pack
+    return [b"".join((pack(s[i + 1] - s[i], la_i + 2, p[i + 1] - p[i], label, 0), ids_bytes[s[i] * w:s[i + 1] * w],
+                      pos_bytes[p[i] * 2:p[i + 1] * 2], orig_bytes[p[i] * w:p[i + 1] * w]))
+            for i, (la_i, label) in enumerate(zip(la.tolist(), labels.tolist(), strict=True))]
+
+
+def process_chunk(index: int, documents: list[RawDocument], params: CreateParams) -> ChunkResult:
+    """Tokenize, pair (``dupe_factor`` times), mask, shuffle and write one chunk as ``shard_name(index)``."""
+    tok = _tokenizer(params.tokenizer_dir)
+    sentences = [split_sentences(d) if isinstance(d, str) else d for d in documents]
+    docs = tokenize_documents(sentences, tok)
+    counts = {"documents": docs.num_documents, "sentences": int(docs.sentence_offsets.shape[0] - 1),
+              "tokens": int(docs.ids.shape[0]), "skipped_short_documents": docs.skipped_short_documents,
+              "skipped_empty_sentences": docs.skipped_empty_sentences, "samples": 0, "not_next": 0}
+    if docs.num_documents == 0:
+        return ChunkResult(index, None, counts)
+    if docs.num_documents < 2:
+        raise ValueError(f"chunk {index}: only one document with two or more sentences, so no NotNext pair can be "
+                         f"drawn from another document; the inputs need more multi-sentence documents")
+    dtype = id_dtype_for_vocab(tok.vocab_size)
+    ids = docs.ids.astype(dtype)
+    cls_id, sep_id, mask_id, vocab_size = tok.cls_id, tok.sep_id, tok.mask_id, tok.vocab_size
+    continuation = tok.continuation_table() if params.whole_word_mask else None
+    payloads: list[bytes] = []
+    for dupe in range(params.dupe_factor):
+        py_rng = random.Random(int.from_bytes(_rng_seed(params.seed, index, dupe, _PAIRING).generate_state(4)
+                                              .tobytes(), "little"))
+        np_rng = np.random.default_rng(_rng_seed(params.seed, index, dupe, _MASKING))
+        pairs = create_pairs(docs, py_rng, seq_len=params.seq_len, short_seq_prob=params.short_seq_prob)
+        counts["not_next"] += sum(p.nsp_label for p in pairs)
+        if continuation is None:
+            payloads += _encode_batch(ids, pairs, np_rng, params, cls_id=cls_id, sep_id=sep_id, mask_id=mask_id,
+                                      vocab_size=vocab_size)
+            continue
+        for pair in pairs:  # whole-word masking: one sample at a time through mask_tokens
+            input_ids, seg_a = pair_input_ids(ids, pair, cls_id=cls_id, sep_id=sep_id, dtype=dtype)
+            candidates = np.ones(input_ids.shape[0], dtype=bool)
+            candidates[[0, seg_a - 1, -1]] = False
+            word_ids = word_ids_from_pieces(input_ids, continuation)
+            masked, positions, original = mask_tokens(
+                input_ids, np_rng, candidates=candidates, max_predictions=params.max_predictions,
+                vocab_size=vocab_size, mask_id=mask_id, masked_lm_prob=params.masked_lm_prob, word_ids=word_ids)
+            payloads.append(encode_sample(Sample(masked, seg_a, positions, original, pair.nsp_label), dtype))
+    if len(payloads) >= _MAX_KEY:
+        raise ValueError(f"chunk {index} produced {len(payloads)} samples, more than sample keys allow ({_MAX_KEY}); "
+                         f"lower samples_per_shard")
+    order = np.random.default_rng(_rng_seed(params.seed, index, 0, _SHUFFLE)).permutation(len(payloads))
+    counts["samples"] = len(payloads)
+    with ShardWriter(Path(params.out_dir) / shard_name(index)) as writer:
+        for local, k in enumerate(order.tolist()):
+            writer.write(f"{index:06d}{local:06d}.{MEMBER_SUFFIX}", payloads[k])
+        info = writer.close()
+    return ChunkResult(index, info, counts)
+
+
+def _init_worker() -> None:
+    # One process per core already: keep the fast tokenizer from starting a thread per core in every worker.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+
+
+def _mpi_comm():
+    """The MPI world communicator when launched by mpirun/srun with more than one rank, else None."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if int(os.environ.get(var, "1")) > 1:
+            from mpi4py import MPI
+
+            return MPI.COMM_WORLD
+    return None
+
+
+def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    index = out / INDEX_NAME
+    if index.exists():
+        if not overwrite:
+            try:
+                old = ShardIndex.load(out)
+                what = f"a shard set ({old.total_samples} samples, seq_len {old.seq_len}, seed {old.seed})"
+            except ValueError as exc:
+                what = f"an unreadable {INDEX_NAME} ({exc})"
+            raise FileExistsError(f"output directory {out} already holds {what}; pass --overwrite (overwrite=True) "
+                                  f"to replace it, or choose another directory")
+        index.unlink()  # first, so that a crash while rebuilding never leaves an index naming missing shards
+    for stale in list(out.glob("shard-*.tar")) + list(out.glob("shard-*.tar.tmp")) + list(out.glob("*.json.tmp")):
+        stale.unlink()  # an overwritten set, or the leftovers of an unfinished run (no index: never complete)
+
+
+def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, workers: int, rank: int, size: int,
+                written: list[Path], progress) -> list[ChunkResult]:
+    results: list[ChunkResult] = []
+    samples = 0
+
+    def done(res: ChunkResult) -> None:
+        nonlocal samples
+        results.append(res)
+        samples += res.counts["samples"]
+        progress.set_postfix({"samples" if size == 1 else "rank 0 samples": samples}, refresh=False)
+
+    if workers == 1:
+        for index, docs, nbytes in iter_chunks(files, chunk_bytes):
+            if index % size == rank:
+                written.append(Path(params.out_dir) / shard_name(index))
+                done(process_chunk(index, docs, params))
+            progress.update(nbytes)
+        return results
+    ctx = multiprocessing.get_context("spawn")  # no fork: the tokenizer's threads and MPI do not survive a fork
+    with ctx.Pool(workers, initializer=_init_worker) as pool:
+        in_flight: deque = deque()
+        for index, docs, nbytes in iter_chunks(files, chunk_bytes):
+            if index % size == rank:
+                written.append(Path(params.out_dir) / shard_name(index))
+                in_flight.append((pool.apply_async(process_chunk, (index, docs, params)), nbytes))
+            else:
+                progress.update(nbytes)
+            while len(in_flight) > 2 * workers:  # bounded: a few chunks in memory, never the corpus
+                res, c = in_flight.popleft()
+                done(res.get())
+                progress.update(c)
+        while in_flight:
+            res, c = in_flight.popleft()
+            done(res.get())
+            progress.update(c)
+    return results
+
+
+def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str | Path, out_dir: str | Path, *,
+                  seq_len: int, max_predictions: int | None = None, dupe_factor: int = 1, short_seq_prob: float = 0.1,
+                  masked_lm_prob: float = 0.15, whole_word_mask: bool = False, seed: int = 12345, workers: int = 1,
+                  samples_per_shard: int = 10000, overwrite: bool = False, progress: bool | None = None) -> ShardIndex:
+    """Create a statically masked NSP shard set from raw text (see the module docstring); returns its index.
+
+    ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal)."""
+    if not isinstance(seq_len, int) or seq_len < 5:
+        raise ValueError(f"seq_len={seq_len!r} is too small for [CLS] A [SEP] B [SEP] (needs at least 5)")
+    if seq_len > 65535:
+        raise ValueError(f"seq_len={seq_len} exceeds the shard format's 16-bit lengths (max 65535)")
+    if max_predictions is None:
+        max_predictions = default_max_predictions(seq_len)
+    if not 1 <= max_predictions <= seq_len - 3:
+        raise ValueError(f"max_predictions={max_predictions} must be in [1, seq_len - 3 = {seq_len - 3}]")
+    if not 0.0 < masked_lm_prob < 1.0:
+        raise ValueError(f"masked_lm_prob={masked_lm_prob} must be in (0, 1)")
+    if not 0.0 <= short_seq_prob <= 1.0:
+        raise ValueError(f"short_seq_prob={short_seq_prob} must be in [0, 1]")
+    for name, value, hi in (("dupe_factor", dupe_factor, 1000), ("workers", workers, 4096),
+                            ("samples_per_shard", samples_per_shard, _MAX_KEY // 2)):
+        if not isinstance(value, int) or not 1 <= value <= hi:
+            raise ValueError(f"{name}={value!r} must be an integer in [1, {hi}]")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative integer")
+    tok = load_tokenizer(tokenizer_dir)  # fails early, naming the directory, when vocab.txt is missing
+    files = input_files(inputs)
+    out = Path(out_dir)
+    params = CreateParams(str(Path(tokenizer_dir)), str(out), seq_len, max_predictions, dupe_factor, short_seq_prob,
+                          masked_lm_prob, whole_word_mask, seed)
+    chunk_bytes = max(1, round(samples_per_shard * _TOKENS_PER_SAMPLE_FILL * seq_len * _BYTES_PER_TOKEN / dupe_factor))
+
+    comm = _mpi_comm()
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+    error: str | None = None
+    if rank == 0:
+        try:
+            _prepare_out_dir(out, overwrite)
+        except Exception as exc:
+            error = str(exc)
+            if comm is None:
+                raise
+    if comm is not None:
+        error = comm.bcast(error, root=0)
+        if error is not None:
+            raise FileExistsError(error)
+
+    from tqdm import tqdm
+
+    total_bytes = sum(f.stat().st_size for f in files)
+    written: list[Path] = []
+    results: list[ChunkResult] = []
+    failure: BaseException | None = None
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="create_shards",
+              disable=True if rank != 0 else (None if progress is None else not progress)) as bar:
+        try:
+            results = _run_chunks(files, params, chunk_bytes, workers, rank, size, written, bar)
+        except BaseException as exc:  # noqa: B036 - clean up our shards on any failure, then re-raise
+            failure = exc
+    outcomes = [(results, None if failure is None else f"{type(failure).__name__}: {failure}")]
+    if comm is not None:
+        outcomes = comm.allgather(outcomes[0])
+    failed = [(r, msg) for r, (_, msg) in enumerate(outcomes) if msg is not None]
+    if failed:
+        for path in written:
+            path.unlink(missing_ok=True)
+            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"shard creation failed on MPI rank {failed[0][0]}: {failed[0][1]}")
+
+    all_results = sorted((r for res, _ in outcomes for r in res), key=lambda r: r.index)
+    if not all_results:
+        raise ValueError(f"no documents in the inputs ({', '.join(str(f) for f in files[:5])}"
+                         f"{', ...' if len(files) > 5 else ''}): empty or blank files")
+    counts = {k: sum(r.counts[k] for r in all_results) for k in all_results[0].counts}
+    shards = [r.shard for r in all_results if r.shard is not None]
+    if not shards:
+        raise ValueError(f"no usable documents in the inputs: all {counts['skipped_short_documents']} documents have "
+                         f"fewer than two sentences (BERT layout: one sentence per line, blank line between documents)")
+    index = ShardIndex(
+        seq_len=seq_len, vocab_size=tok.vocab_size, vocab_sha256=tok.vocab_sha256,
+        id_dtype=id_dtype_for_vocab(tok.vocab_size).str, lowercase=tok.lowercase,
+        masking={"static": True, "masked_lm_prob": masked_lm_prob, "max_predictions": max_predictions,
+                 "whole_word_mask": whole_word_mask, "mask_prob": MASK_PROB, "random_prob": RANDOM_PROB,
+                 "keep_prob": KEEP_PROB},
+        pairing={"nsp": True, "short_seq_prob": short_seq_prob, "dupe_factor": dupe_factor,
+                 "target_length": seq_len - 3, "nsp_labels": {"is_next": 0, "not_next": 1}},
+        seed=seed, shards=shards, total_samples=sum(s.samples for s in shards),
+        extra={"inputs": [str(f) for f in files], "tokenizer_dir": str(tokenizer_dir),
+               "sentence_splitter": sentence_splitter_name(), "chunk_bytes": chunk_bytes,
+               "counts": {k: counts[k] for k in ("documents", "sentences", "tokens", "samples", "not_next")},
+               "skipped": {"short_documents": counts["skipped_short_documents"],
+                           "empty_sentences": counts["skipped_empty_sentences"]}},
+    )
+    if rank == 0:
+        index.write(out)
+    if comm is not None:
+        comm.Barrier()
+    return index
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bert-ds-create-shards", description=__doc__.splitlines()[0])
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|DIR",
+                        help="BERT-layout text or .jsonl files, or directories (recursive, sorted)")
+    parser.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding vocab.txt")
+    parser.add_argument("--seq-len", type=int, required=True, help="128 or 512 (any value >= 5 works)")
+    parser.add_argument("--out", required=True, metavar="DIR")
+    parser.add_argument("--max-predictions", type=int, default=None, help="default: 20 at 128, 80 at 512")
+    parser.add_argument("--dupe-factor", type=int, default=1)
+    parser.add_argument("--short-seq-prob", type=float, default=0.1)
+    parser.add_argument("--masked-lm-prob", type=float, default=0.15)
+    parser.add_argument("--whole-word-mask", action="store_true")
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--workers", type=int, default=1, help="processes per rank (under mpirun: per MPI rank)")
+    parser.add_argument("--samples-per-shard", type=int, default=10000)
+    parser.add_argument("--overwrite", action="store_true", help="replace a shard set already in --out")
+    args = parser.parse_args(argv)
+    try:
+        index = create_shards(args.input, args.tokenizer, args.out, seq_len=args.seq_len,
+                              max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
+                              short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
+                              whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,
+                              samples_per_shard=args.samples_per_shard, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        sys.exit(f"bert-ds-create-shards: error: {exc}")
+    if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
+        print(f"wrote {len(index.shards)} shards, {index.total_samples} samples to {args.out}/{INDEX_NAME}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""LAMB (You et al., 2019) that stays exact when DeepSpeed ZeRO stage 1/2 shards the optimizer.
+
+Per tensor ``w`` with (already clipped) gradient ``g``::
+
+    m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g^2;  m^ = m/(1-b1^t), v^ = v/(1-b2^t)  (if bias_correction)
+    u = m^ / (sqrt(v^) + eps) + wd*w;  r = ||w|| / ||u||  (r = 1 if either norm is 0; clamped if asked)
+    w = w - lr * r * u
+
+Under ZeRO 1/2 the param groups hold one flat fp32 partition per rank and tensors are cut at rank boundaries, so a
+naive LAMB computes one trust ratio per rank slice (DeepSpeed issues #88, #490, #1217). After ``bind_zero`` the
+optimizer knows which segment of its flat partition belongs to which original tensor; each rank sums its segments'
+``w^2`` and ``u^2`` and one all-reduce of that ``(2, n_tensors)`` vector per step gives every tensor its true norms
+(the fix of apex's DistributedFusedLAMB).
+
+ZeRO calls ``step()`` once per param group (``_optimizer_step(i)`` narrows ``param_groups`` to group ``i``) and copies
+each group's fp32 partition to its bit16 partition right after; the all-gather of the bit16 partitions only happens
+after the last group. To need a single all-reduce per step the bound optimizer therefore updates the moments and the
+partial norms in every group call, and applies the weight updates of all groups in the last call, re-copying the
+earlier groups' fp32 partitions to their bit16 partitions before ZeRO all-gathers them.
+
+Gradient clipping is not done here: DeepSpeed clips by the global norm before ``step()`` (``gradient_clipping`` in its
+config; ZeRO in ``unscale_and_clip_grads``, stage 0 fp32 in ``engine.clip_fp32_gradients``). Plain-torch users call
+``torch.nn.utils.clip_grad_norm_`` before ``step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["ZeroAwareLamb", "ZeroLayout", "segment_sq_norms", "zero_layout"]
+
+
+@dataclass
+class _GroupLayout:
+    flat: torch.Tensor
+    """This rank's flat fp32 partition of the group (the only param ZeRO leaves in the group)."""
+    lengths: list[int]
+    """Lengths of the contiguous runs covering the flat partition in order: tensor segments and padding gaps."""
+    run_tensor: list[int]
+    """For each run, the global tensor index it belongs to, or -1 for padding."""
+    run_index: torch.Tensor
+    """``run_tensor`` as an index into the ``(2, n_tensors + 1)`` norm buffer; padding maps to the spare last slot."""
+    run_is_tensor: torch.Tensor
+    """False for padding runs, which are never updated."""
+    bit16_partition: torch.Tensor | None
+    """ZeRO's bit16 view of this rank's partition, re-filled after a deferred update."""
+
+
+@dataclass
+class ZeroLayout:
+    """Where each original tensor lives in this rank's flat ZeRO partitions."""
+
+    groups: list[_GroupLayout]
+    n_tensors: int
+    names: list[str]
+    """Shape strings of the original tensors, by global index (for error messages and tests)."""
+    split_tensors: list[int]
+    """Global indices of tensors that are cut by this rank's partition boundaries (present only in part)."""
+    process_group: object
+    world_size: int
+
+
+def zero_layout(zero_optimizer) -> ZeroLayout:
+    """Map every original tensor of a ``DeepSpeedZeroOptimizer`` (stage 1/2) to its segment in this rank's partition.
+
+    Mirrors ``stage_1_and_2.py``: tensors are laid out in ``round_robin_bit16_groups`` order at
+    ``round_robin_bit16_offsets`` (alignment padding after each tensor in ``round_robin_bit16_padding``), the flat
+    group is padded to a multiple of ``2 * world_size`` and cut into equal partitions of ``partition_size[i]``.
+    """
+    import deepspeed.comm as dist
+
+    zo = zero_optimizer
+    for attr in ("bit16_groups", "round_robin_bit16_groups", "single_partition_of_fp32_groups", "partition_size",
+                 "parallel_partitioned_bit16_groups", "real_dp_process_group", "dp_process_group"):
+        if not hasattr(zo, attr):
+            raise TypeError(f"ZeroAwareLamb.bind_zero: {type(zo).__name__} has no '{attr}'; only DeepSpeed's ZeRO "
+                            "stage 1/2 optimizer (DeepSpeedZeroOptimizer) is supported")
+    if getattr(zo, "cpu_offload", False):
+        raise NotImplementedError("ZeroAwareLamb under ZeRO offload_optimizer is not supported (untested); "
+                                  "drop zero_optimization.offload_optimizer")
+    if getattr(zo, "torch_autocast_gradscaler", None) is not None or getattr(zo, "zenflow", False):
+        raise NotImplementedError("ZeroAwareLamb does not support torch_autocast or ZenFlow under ZeRO")
+    ws = dist.get_world_size(group=zo.dp_process_group)
+    for i, pg in enumerate(zo.real_dp_process_group):
+        if dist.get_world_size(group=pg) != ws:
+            raise NotImplementedError(f"ZeroAwareLamb: param group {i} uses a different data-parallel group "
+                                      "(MoE expert groups are not supported)")
+
+    index_of = {}
+    names = []
+    for group in zo.bit16_groups:
+        for p in group:
+            index_of[id(p)] = len(names)
+            names.append(f"{tuple(p.shape)}")
+
+    groups = []
+    split = []
+    for i, rr_tensors in enumerate(zo.round_robin_bit16_groups):
+        rank = dist.get_rank(group=zo.real_dp_process_group[i])
+        psize = int(zo.partition_size[i])
+        start, end = rank * psize, (rank + 1) * psize
+        flat = zo.single_partition_of_fp32_groups[i]
+        if flat.numel() != psize:
+            raise RuntimeError(f"ZeroAwareLamb: group {i} partition has {flat.numel()} elements, expected {psize}")
+        # shape metadata survives ZeRO's offload of param storage; older DeepSpeed has only the params
+        metas = zo.round_robin_bit16_meta[i] if hasattr(zo, "round_robin_bit16_meta") else rr_tensors
+        numels = [int(m.numel()) for m in metas]
+        offsets = getattr(zo, "round_robin_bit16_offsets", None)
+        if offsets is not None:
+            offsets = [int(o) for o in offsets[i]]
+        else:  # older DeepSpeed: no per-tensor alignment padding, tensors back to back
+            offsets, pos = [], 0
+            for n in numels:
+                offsets.append(pos)
+                pos += n
+        lengths, run_tensor, cursor = [], [], start
+        for p, off, n in sorted(zip(rr_tensors, offsets, numels, strict=True), key=lambda t: t[1]):
+            lo, hi = max(off, start), min(off + n, end)
+            if lo >= hi:
+                continue
+            if lo > cursor:  # alignment padding between tensors
+                lengths.append(lo - cursor)
+                run_tensor.append(-1)
+            lengths.append(hi - lo)
+            run_tensor.append(index_of[id(p)])
+            if hi - lo != n:
+                split.append(index_of[id(p)])
+            cursor = hi
+        if cursor < end:  # padding at the end of the flat group
+            lengths.append(end - cursor)
+            run_tensor.append(-1)
+        groups.append(_GroupLayout(flat=flat,
+                                   lengths=lengths,
+                                   run_tensor=run_tensor,
+                                   run_index=torch.tensor([t if t >= 0 else len(names) for t in run_tensor],
+                                                          dtype=torch.long, device=flat.device),
+                                   run_is_tensor=torch.tensor([t >= 0 for t in run_tensor], device=flat.device),
+                                   bit16_partition=zo.parallel_partitioned_bit16_groups[i][rank]))
+    return ZeroLayout(groups=groups, n_tensors=len(names), names=names, split_tensors=split,
+                      process_group=zo.dp_process_group, world_size=ws)
+
+
+def segment_sq_norms(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Squared L2 norm of each contiguous run of ``flat``.
+
+    ``_foreach_norm`` over views: no temporaries, multi-tensor kernels on CUDA, and a pairwise/vectorised sum that
+    is far more accurate than a sequential ``segment_reduce`` of ``x * x`` on multi-million-element runs.
+    """
+    return torch.stack(torch._foreach_norm(list(torch.split(flat, lengths)))).square()
+
+
+class ZeroAwareLamb(Optimizer):
+    """LAMB with per-tensor trust ratios, exact on one device and under ZeRO stage 1/2 (after ``bind_zero``).
+
+    ``min_trust``/``max_trust`` clamp a computed trust ratio like DeepSpeed's LAMB ``min_coeff``/``max_coeff``
+    (bing_bert: 0.01 and 0.3); the fallback ``r = 1`` (a zero norm) is not clamped, as in DeepSpeed.
+
+    Under ZeRO, call ``bind_zero(engine.optimizer)`` once after ``deepspeed.initialize``; an unbound optimizer whose
+    params were replaced by flat partitions refuses to step rather than compute per-slice trust ratios.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
+                 min_trust: float | None = None, max_trust: float | None = None) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"ZeroAwareLamb: lr must be >= 0, got {lr!r}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"ZeroAwareLamb: betas must be two values in [0, 1), got {betas!r}")
+        if not eps > 0.0:
+            raise ValueError(f"ZeroAwareLamb: eps must be > 0, got {eps!r}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"ZeroAwareLamb: weight_decay must be >= 0, got {weight_decay!r}")
+        if min_trust is not None and max_trust is not None and min_trust > max_trust:
+            raise ValueError(f"ZeroAwareLamb: min_trust={min_trust!r} > max_trust={max_trust!r}")
+        for name, value in (("min_trust", min_trust), ("max_trust", max_trust)):
+            if value is not None and not value >= 0.0:
+                raise ValueError(f"ZeroAwareLamb: {name} must be >= 0 or None, got {value!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        min_trust=min_trust, max_trust=max_trust)
+        self._registered: set[int] = set()
+        self._layout: ZeroLayout | None = None
+        self._pending: dict[int, tuple[torch.Tensor, dict]] = {}
+        self._partials: torch.Tensor | None = None
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._registered.update(id(p) for p in self.param_groups[-1]["params"])
+
+    # ------------------------------------------------------------------ binding
+    @property
+    def zero_layout(self) -> ZeroLayout | None:
+        """The bound ZeRO layout, or None when stepping per tensor."""
+        return self._layout
+
+    def bind_zero(self, zero_optimizer) -> ZeroLayout:
+        """Bind to DeepSpeed's ZeRO stage 1/2 optimizer (``engine.optimizer``) wrapping this optimizer.
+
+        Raises for ZeRO stage 3 and for wrappers whose layout this class does not know, so LAMB is never silently
+        per-slice.
+        """
+        if type(zero_optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3" or hasattr(
+                zero_optimizer, "fp32_partitioned_groups_flat"):
+            raise NotImplementedError("ZeroAwareLamb does not support ZeRO stage 3: its sub-group partitions would "
+                                      "give per-slice trust ratios. Use ZeRO stage 1 or 2, or AdamW under stage 3.")
+        if getattr(zero_optimizer, "optimizer", None) is not self:
+            raise ValueError("ZeroAwareLamb.bind_zero: the given ZeRO optimizer does not wrap this optimizer")
+        layout = zero_layout(zero_optimizer)
+        if len(layout.groups) != len(self.param_groups):
+            raise RuntimeError(f"ZeroAwareLamb.bind_zero: {len(layout.groups)} ZeRO groups for "
+                               f"{len(self.param_groups)} param groups")
+        for i, (g, lay) in enumerate(zip(self.param_groups, layout.groups, strict=True)):
+            if len(g["params"]) != 1 or g["params"][0] is not lay.flat:
+                raise RuntimeError(f"ZeroAwareLamb.bind_zero: param group {i} does not hold ZeRO's flat partition")
+        self._layout = layout
+        self._pending = {}
+        return layout
+
+    # ------------------------------------------------------------------ math
+    @staticmethod
+    def _moments_and_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        """Advance Adam moments in ``state`` and return the LAMB update direction ``u`` (before the trust ratio).
+
+        ``step`` is a Python int, in the state and mirrored in ``group["step"]`` as DeepSpeed's FusedAdam does: ZeRO's
+        elastic checkpoints save ``param_groups[0]["step"]`` and would pad a 0-dim tensor step into a vector, and
+        universal checkpoints accept an int step.
+        """
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        state["step"] = step = int(state["step"]) + 1
+        group["step"] = step
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        if group["bias_correction"]:
+            bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+        else:
+            bc1 = bc2 = 1.0
+        denom = (exp_avg_sq / bc2).sqrt_().add_(group["eps"])
+        update = (exp_avg / bc1).div_(denom)
+        if group["weight_decay"] != 0.0:
+            update.add_(p, alpha=group["weight_decay"])
+        return update
+
+    @staticmethod
+    def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> torch.Tensor:
+        ratio = w_norm / u_norm.clamp_min(torch.finfo(u_norm.dtype).tiny)
+        if group["min_trust"] is not None or group["max_trust"] is not None:
+            ratio = ratio.clamp(group["min_trust"], group["max_trust"])
+        return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._layout is not None:
+            self._zero_step()
+        else:
+            self._tensor_step()
+        return loss
+
+    def _tensor_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if id(p) not in self._registered:
+                    raise RuntimeError("ZeroAwareLamb: its params were replaced (a DeepSpeed ZeRO flat partition?) but "
+                                       "the optimizer is not bound; call bert_ds.optim.bind_optimizer(engine) after "
+                                       "deepspeed.initialize, or trust ratios would be per slice, not per tensor")
+                if p.grad.is_sparse:
+                    raise RuntimeError("ZeroAwareLamb does not support sparse gradients")
+                u = self._moments_and_update(p, p.grad, self.state[p], group)
+                r = self._trust_ratio(p.norm(), u.norm(), group)
+                p.add_(u.mul_(r), alpha=-group["lr"])
+
+    def _zero_step(self) -> None:
+        import deepspeed.comm as dist
+
+        layout = self._layout
+        if self._partials is None:
+            self._partials = torch.zeros(2, layout.n_tensors + 1, dtype=torch.float32,
+                                         device=layout.groups[0].flat.device)
+        flat_index = {id(lay.flat): k for k, lay in enumerate(layout.groups)}
+        for group in self.param_groups:
+            k = flat_index.get(id(group["params"][0])) if len(group["params"]) == 1 else None
+            if k is None:
+                raise RuntimeError("ZeroAwareLamb: a param group no longer holds the flat partition bound by bind_zero")
+            if k in self._pending:
+                raise RuntimeError(f"ZeroAwareLamb: ZeRO group {k} stepped twice before the step completed")
+            lay = layout.groups[k]
+            p = lay.flat
+            if p.grad is None:
+                raise RuntimeError(f"ZeroAwareLamb: ZeRO group {k} has no gradient partition")
+            u = self._moments_and_update(p, p.grad, self.state[p], group)
+            # Sum of squares per contiguous run; padding runs land in the spare last slot and are never read.
+            self._partials[0].index_add_(0, lay.run_index, segment_sq_norms(p, lay.lengths))
+            self._partials[1].index_add_(0, lay.run_index, segment_sq_norms(u, lay.lengths))
+            # ZeRO narrows param_groups to the group it steps, so keep the group dict for the deferred update.
+            self._pending[k] = (u, group)
+        if len(self._pending) < len(layout.groups):
+            return  # ZeRO steps the remaining groups next; their updates and ours are applied together
+        if layout.world_size > 1:
+            dist.all_reduce(self._partials, group=layout.process_group)
+        norms = self._partials.sqrt()
+        try:
+            for k, (u, group) in self._pending.items():
+                lay = layout.groups[k]
+                ratio = self._trust_ratio(norms[0, lay.run_index], norms[1, lay.run_index], group)
+                ratio = torch.where(lay.run_is_tensor, ratio, 0.0)
+                torch._foreach_mul_(list(torch.split(u, lay.lengths)), list(ratio.unbind()))
+                lay.flat.add_(u, alpha=-group["lr"])
+                if lay.bit16_partition is not None:
+                    # ZeRO already copied this group's fp32 partition before our deferred update; refresh it before
+                    # its all-gather (idempotent for the group ZeRO copies after this call).
+                    lay.bit16_partition.data.copy_(lay.flat.data)
+        finally:
+            self._pending = {}
+            self._partials.zero_()

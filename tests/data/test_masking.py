@@ -1,0 +1,158 @@
+"""Masked-LM masking: the mask_tokens contract, and masking statistics on shards made from real English text."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bert_ds.data.create import create_shards
+from bert_ds.data.masking import default_max_predictions, mask_tokens, num_predictions, word_ids_from_pieces
+from bert_ds.data.tokenizer import load_tokenizer
+
+MASK, VOCAB = 4, 1000
+
+
+def _sample(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.random.default_rng(seed).integers(5, VOCAB, size=n).astype(np.uint16)
+    ids[0], ids[n // 2], ids[-1] = 2, 3, 3
+    cand = np.ones(n, dtype=bool)
+    cand[[0, n // 2, n - 1]] = False
+    return ids, cand
+
+
+def test_contract_dtype_order_and_counts():
+    ids, cand = _sample(128)
+    rng = np.random.default_rng(1)
+    masked, pos, orig = mask_tokens(ids, rng, candidates=cand, max_predictions=20, vocab_size=VOCAB, mask_id=MASK)
+    assert masked.dtype == ids.dtype and masked.shape == ids.shape
+    assert pos.dtype == np.int64 and np.all(np.diff(pos) > 0)
+    assert len(pos) == num_predictions(125, 0.15, 20) == 19
+    assert np.array_equal(orig, ids[pos]) and cand[pos].all()
+    untouched = np.setdiff1d(np.arange(128), pos)
+    assert np.array_equal(masked[untouched], ids[untouched])
+    # same seed, same result; the input is never modified
+    again = mask_tokens(ids, np.random.default_rng(1), candidates=cand, max_predictions=20, vocab_size=VOCAB,
+                        mask_id=MASK)
+    assert all(np.array_equal(a, b) for a, b in zip((masked, pos, orig), again, strict=True))
+
+
+def test_cap_minimum_and_empty():
+    ids, cand = _sample(512)
+    _, pos, _ = mask_tokens(ids, np.random.default_rng(0), candidates=cand, max_predictions=80, vocab_size=VOCAB,
+                            mask_id=MASK)
+    assert len(pos) == 76  # round(0.15 * 509) = 76 < 80
+    _, pos, _ = mask_tokens(ids, np.random.default_rng(0), candidates=cand, max_predictions=10, vocab_size=VOCAB,
+                            mask_id=MASK)
+    assert len(pos) == 10
+    small, small_cand = _sample(5)
+    _, pos, _ = mask_tokens(small, np.random.default_rng(0), candidates=small_cand, max_predictions=20,
+                            vocab_size=VOCAB, mask_id=MASK)
+    assert len(pos) == 1  # at least one
+    masked, pos, orig = mask_tokens(small, np.random.default_rng(0), candidates=np.zeros(5, bool),
+                                    max_predictions=20, vocab_size=VOCAB, mask_id=MASK)
+    assert len(pos) == 0 and len(orig) == 0 and np.array_equal(masked, small)
+    assert default_max_predictions(128) == 20 and default_max_predictions(512) == 80
+    assert default_max_predictions(256) == 38
+
+
+def test_whole_word_keeps_words_whole_and_respects_cap():
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(8, 200))
+        ids, cand = _sample(n, seed=trial)
+        is_cont = rng.random(n) < 0.4
+        is_cont[0] = False
+        word_ids = np.cumsum(~is_cont)
+        cap = int(rng.integers(1, 30))
+        masked, pos, orig = mask_tokens(ids, rng, candidates=cand, max_predictions=cap, vocab_size=VOCAB,
+                                        mask_id=MASK, word_ids=word_ids)
+        want = num_predictions(int(cand.sum()), 0.15, cap)
+        assert len(pos) <= want and np.all(np.diff(pos) > 0) and cand[pos].all()
+        chosen = set(pos.tolist())
+        for w in np.unique(word_ids[pos]):
+            members = [p for p in np.flatnonzero(word_ids == w).tolist() if cand[p]]
+            assert chosen.issuperset(members), (trial, w)
+
+
+def _masking_stats(samples, tok):
+    eligible = predicted = n_mask = n_keep = 0
+    specials = {tok.cls_id, tok.sep_id, tok.pad_id}
+    for _, _, s in samples:
+        pos = s.masked_positions.astype(np.int64)
+        assert not set(s.masked_ids.tolist()) & specials, "a special token was chosen for prediction"
+        assert not set(pos.tolist()) & {0, s.segment_a_length - 1, s.length - 1}
+        eligible += s.length - 3
+        predicted += len(pos)
+        after = s.input_ids[pos]
+        n_mask += int((after == tok.mask_id).sum())
+        n_keep += int((after == s.masked_ids).sum())
+    return predicted / eligible, n_mask / predicted, n_keep / predicted, 1 - (n_mask + n_keep) / predicted
+
+
+@pytest.mark.parametrize("fixture", ["shards_128", "shards_512"])
+def test_masking_statistics_on_real_text(fixture, request, tokenizer_dir, shard_reader):
+    tok = load_tokenizer(tokenizer_dir)
+    samples = shard_reader(request.getfixturevalue(fixture))
+    frac, mask, keep, rand = _masking_stats(samples, tok)
+    assert abs(frac - 0.15) <= 0.01, frac  # BERT §3.1: 15% of the (non-special) tokens
+    # 80/10/10; a random replacement equal to the original counts as kept (1/vocab of them).
+    assert abs(mask - 0.8) <= 0.02 and abs(keep - 0.1) <= 0.02 and abs(rand - 0.1) <= 0.02, (mask, keep, rand)
+
+
+def test_whole_word_mask_shards_keep_words_whole(english_corpus, tokenizer_dir, tmp_path, shard_reader):
+    tok = load_tokenizer(tokenizer_dir)
+    is_cont = tok.continuation_table()
+    create_shards([english_corpus], tokenizer_dir, tmp_path, seq_len=128, whole_word_mask=True, seed=7,
+                  samples_per_shard=1000, progress=False)
+    samples = shard_reader(tmp_path)
+    split_words = 0
+    multi_piece = 0
+    for _, _, s in samples:
+        original = s.original_ids()
+        words = word_ids_from_pieces(original, is_cont)
+        cand = np.ones(s.length, dtype=bool)
+        cand[[0, s.segment_a_length - 1, s.length - 1]] = False
+        pos = set(s.masked_positions.tolist())
+        for w in np.unique(words[s.masked_positions.astype(np.int64)]):
+            members = [p for p in np.flatnonzero(words == w).tolist() if cand[p]]
+            multi_piece += len(members) > 1
+            split_words += not pos.issuperset(members)
+    assert split_words == 0
+    assert multi_piece > 100  # the check is not vacuous: many masked words have several pieces
+    frac, mask, keep, rand = _masking_stats(samples, tok)
+    assert abs(frac - 0.15) <= 0.015, frac  # whole words may leave the count a little under 15%
+
+
+def test_batched_pair_positions_match_the_per_sample_rule():
+    from bert_ds.data.masking import choose_pair_positions
+
+    rng = np.random.default_rng(0)
+    la = rng.integers(1, 120, size=4000)
+    lb = rng.integers(1, 120, size=4000)
+    counts, pos = choose_pair_positions(la, lb, rng, max_predictions=20)
+    hits = np.zeros(250)
+    for i in range(len(la)):
+        row = pos[i][pos[i] >= 0]
+        assert len(row) == counts[i] == num_predictions(int(la[i] + lb[i]), 0.15, 20)
+        assert np.all(np.diff(row) > 0)
+        length = la[i] + lb[i] + 3
+        assert not set(row.tolist()) & {0, la[i] + 1, length - 1} and row.max() < length - 1
+        hits[row] += 1
+    # uniform over candidates: position 1 (always A) and position la+2 (first of B) equally likely
+    first_a = hits[1] / len(la)
+    first_b = sum(1 for i in range(len(la)) if la[i] + 2 in pos[i]) / len(la)
+    assert abs(first_a - first_b) < 0.03, (first_a, first_b)
+
+
+def test_shard_records_are_what_encode_sample_writes(shards_128, shard_reader):
+    import tarfile
+
+    from bert_ds.data.format import encode_sample
+    from bert_ds.data.index import ShardIndex
+
+    index = ShardIndex.load(shards_128)
+    dtype = np.dtype(index.id_dtype)
+    by_member = {m: s for _, m, s in shard_reader(shards_128)}
+    with tarfile.open(shards_128 / index.shards[0].name) as tar:
+        for member in tar:
+            assert tar.extractfile(member).read() == encode_sample(by_member[member.name], dtype)

@@ -1,0 +1,91 @@
+"""Tokenizer training and loading; parity with transformers.BertTokenizerFast on text it was not trained on."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+
+import pytest
+
+from bert_ds.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, main, train_tokenizer
+
+# Not in the training corpus (license texts + Python docstrings): news-like prose, accents, digits, CJK, symbols.
+HELD_OUT = [
+    "The committee's Zürich meeting, held on 3 March 1998, approved a €4.5-million budget for the new observatory.",
+    "Naïve travellers often mistake the café's crème brûlée for a dessert from Montréal!",
+    "She whispered: \"Don't open the door before 10:45 p.m.\" — then vanished into the fog.",
+    "東京 is the capital of Japan; its population exceeds thirteen million people.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+    "UNDERSTANDABLY, the well-known antidisestablishmentarianism debate resurfaced in 2024.",
+]
+
+
+def _hf_fast(vocab_file, do_lower_case: bool):
+    """transformers.BertTokenizerFast on a vocab file. transformers 5 names the argument ``vocab`` and silently
+    ignores ``vocab_file`` (leaving a 5-token vocabulary), 4.x names it ``vocab_file``."""
+    transformers = pytest.importorskip("transformers")
+    params = inspect.signature(transformers.BertTokenizerFast.__init__).parameters
+    key = "vocab" if "vocab" in params else "vocab_file"
+    hf = transformers.BertTokenizerFast(**{key: str(vocab_file)}, do_lower_case=do_lower_case)
+    assert len(hf) == len(vocab_file.read_text(encoding="utf-8").splitlines())
+    return hf
+
+
+def test_special_tokens_first_and_files_written(tokenizer_dir):
+    vocab = (tokenizer_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    assert vocab[:len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS)  # [PAD] = 0
+    assert len(vocab) == 4000
+    assert json.loads((tokenizer_dir / "tokenizer_meta.json").read_text()) == {"lowercase": True}
+    assert (tokenizer_dir / "tokenizer.json").is_file()
+
+
+def test_ids_match_transformers_bert_tokenizer_fast(tokenizer_dir):
+    hf = _hf_fast(tokenizer_dir / "vocab.txt", do_lower_case=True)
+    tok = load_tokenizer(tokenizer_dir)
+    flat, offsets = tok.encode_batch(HELD_OUT)
+    for i, text in enumerate(HELD_OUT):
+        expected = hf(text, add_special_tokens=False)["input_ids"]
+        assert tok.encode(text) == expected, text
+        assert flat[offsets[i]:offsets[i + 1]].tolist() == expected
+    assert hf.convert_tokens_to_ids(["[PAD]", "[CLS]", "[SEP]", "[MASK]"]) == [tok.pad_id, tok.cls_id, tok.sep_id,
+                                                                               tok.mask_id]
+
+
+def test_vocab_only_directory_loads_uncased(tokenizer_dir, tmp_path):
+    shutil.copy(tokenizer_dir / "vocab.txt", tmp_path / "vocab.txt")  # like Google's release: vocab.txt alone
+    tok = load_tokenizer(tmp_path)
+    assert tok.lowercase is True
+    assert tok.encode(HELD_OUT[0]) == load_tokenizer(tokenizer_dir).encode(HELD_OUT[0])
+    (tmp_path / "tokenizer_meta.json").write_text('{"lowercase": false}')
+    assert load_tokenizer(tmp_path).lowercase is False
+
+
+def test_missing_vocab_names_the_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*vocab.txt"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_cased_tokenizer_via_cli(english_corpus, tmp_path):
+    main(["--input", str(english_corpus), "--vocab-size", "1500", "--out", str(tmp_path), "--cased"])
+    tok = load_tokenizer(tmp_path)
+    assert tok.lowercase is False and tok.vocab_size == 1500
+    assert tok.encode("The") != tok.encode("the")
+    hf = _hf_fast(tmp_path / "vocab.txt", do_lower_case=False)
+    for text in HELD_OUT:
+        assert tok.encode(text) == hf(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_jsonl_and_directory_inputs(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.jsonl").write_text(json.dumps({"text": "Alpha beta gamma. Delta epsilon zeta."}) + "\n")
+    (docs / "sub" / "b.txt").write_text("Eta theta iota.\nKappa lambda mu.\n")
+    out = train_tokenizer([docs], tmp_path / "tok", vocab_size=200)
+    tok = load_tokenizer(out)
+    assert tok.tokenizer.decode(tok.encode("Alpha eta")) == "alpha eta"  # both files (jsonl + nested txt) were read
+    with pytest.raises(ValueError, match="no text"):
+        (tmp_path / "empty.txt").write_text("\n\n")
+        train_tokenizer([tmp_path / "empty.txt"], tmp_path / "tok2", vocab_size=200)

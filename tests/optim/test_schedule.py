@@ -1,0 +1,54 @@
+"""warmup_poly_decay: values at key steps, LambdaLR compatibility, argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bert_ds.optim import NVIDIA_BERT_POWER, warmup_poly_decay
+
+
+def test_key_steps():
+    f = warmup_poly_decay(total_steps=100, warmup_fraction=0.1, power=0.5)
+    assert f(0) == pytest.approx(0.1)  # first update: 1/10 of the peak
+    assert f(4) == pytest.approx(0.5)
+    assert f(9) == pytest.approx(1.0)  # the 10th update is the peak
+    assert f(10) == pytest.approx((89 / 90) ** 0.5)
+    assert f(54) == pytest.approx((45 / 90) ** 0.5)
+    assert f(98) == pytest.approx((1 / 90) ** 0.5)
+    assert f(99) == 0.0 and f(500) == 0.0  # the phase ends at 0
+
+
+def test_power_one_is_linear_and_no_warmup():
+    f = warmup_poly_decay(total_steps=10, warmup_fraction=0.0, power=1.0)
+    assert [round(f(s), 6) for s in range(10)] == [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0]
+
+
+def test_nvidia_compatible_decay():
+    assert NVIDIA_BERT_POWER == 0.5
+    f = warmup_poly_decay(total_steps=7038, warmup_fraction=0.2843, decay_from_start=True)
+    warmup = int(0.2843 * 7038)
+    assert f(warmup - 1) == pytest.approx(1.0)
+    # NVIDIA's PolyWarmUpScheduler: base_lr * (1 - progress) ** 0.5 after warmup (a drop at the warmup end)
+    assert f(warmup) == pytest.approx((1 - (warmup + 1) / 7038) ** 0.5)
+
+
+def test_lambda_lr_drives_optimizer_lr():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=6e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_poly_decay(20, 0.25, 0.5))
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(6e-3 / 5) and lrs[4] == pytest.approx(6e-3) and lrs[-1] == 0.0
+    assert lrs.index(max(lrs)) == 4
+
+
+@pytest.mark.parametrize("kw", [dict(total_steps=0, warmup_fraction=0.1), dict(total_steps=10, warmup_fraction=1.5),
+                                dict(total_steps=10, warmup_fraction=0.1, power=0.0),
+                                dict(total_steps=10.0, warmup_fraction=0.1)])
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        warmup_poly_decay(**kw)

@@ -1,0 +1,6 @@
+"""Train a BERT WordPiece vocabulary: thin CLI over ``bert_ds.data.tokenizer.train_tokenizer``."""
+
+from bert_ds.data.tokenizer import main
+
+if __name__ == "__main__":
+    main()
