@@ -1,0 +1,147 @@
+"""Reading and writing Hugging Face ``BertForPreTraining`` directories (config.json, weights, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from bert_ds.config import BertConfig
+from bert_ds.export.keymap import ExportError, from_hf_state_dict, to_hf_state_dict
+
+__all__ = ["HF_ARCHITECTURE", "hf_config_dict", "bert_config_from_hf", "read_hf_state_dict", "save_hf_model",
+           "write_tokenizer", "tokenizer_vocab_size", "load_hf_pretrained", "export_model"]
+
+HF_ARCHITECTURE = "BertForPreTraining"
+
+# BertConfig fields written to / read from config.json under the same name (all but the bert_ds-only padding).
+_SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+                  "type_vocab_size", "initializer_range", "layer_norm_eps", "pad_token_id")
+
+
+def hf_config_dict(config: BertConfig) -> dict:
+    """The fields of HF ``config.json`` for this model (``transformers.BertConfig(**fields)``)."""
+    fields = {name: getattr(config, name) for name in _SHARED_FIELDS}
+    return {**fields, "model_type": "bert", "architectures": [HF_ARCHITECTURE],
+            "position_embedding_type": "absolute", "tie_word_embeddings": True}
+
+
+def bert_config_from_hf(hf_dir: str | Path, pad_vocab_to_multiple_of: int = 1, **overrides) -> BertConfig:
+    """Read ``config.json`` of an HF BERT directory; refuse other model types and variants bert_ds cannot run."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{path}: cannot read HF config: {exc}") from exc
+    if data.get("model_type") != "bert":
+        raise ExportError(f"{path}: model_type={data.get('model_type')!r}, expected 'bert'")
+    architectures = data.get("architectures") or []
+    if architectures and HF_ARCHITECTURE not in architectures:
+        raise ExportError(f"{path}: architectures={architectures}, expected {HF_ARCHITECTURE!r} (bert_ds pre-trains "
+                          "with both the MLM and NSP heads; other BERT heads lack the NSP head or the MLM head)")
+    if data.get("position_embedding_type", "absolute") != "absolute":
+        raise ExportError(f"{path}: position_embedding_type={data['position_embedding_type']!r}; "
+                          "bert_ds supports 'absolute' only")
+    if data.get("is_decoder", False):
+        raise ExportError(f"{path}: is_decoder=true; bert_ds is a bidirectional encoder")
+    if data.get("tie_word_embeddings", True) is False:
+        raise ExportError(f"{path}: tie_word_embeddings=false; bert_ds ties the MLM decoder to the word embeddings")
+    missing = [name for name in _SHARED_FIELDS if name not in data and name != "pad_token_id"]
+    if missing:
+        raise ExportError(f"{path}: missing field(s) {missing}")
+    fields = {name: data[name] for name in _SHARED_FIELDS if name in data}
+    fields.update(pad_vocab_to_multiple_of=pad_vocab_to_multiple_of, **overrides)
+    try:
+        return BertConfig(**fields)
+    except ValueError as exc:
+        raise ExportError(f"{path}: {exc}") from exc
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Weights of an HF directory: ``model.safetensors``, a sharded safetensors index, or ``pytorch_model.bin``."""
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    single, index, legacy = hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json", \
+        hf_dir / "pytorch_model.bin"
+    if single.is_file():
+        return load_file(single)
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state = {}
+        for shard in shards:
+            state.update(load_file(hf_dir / shard))
+        return state
+    if legacy.is_file():
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise ExportError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def load_hf_pretrained(hf_dir: str | Path, kernels: str = "auto", activation_checkpointing: bool = False,
+                       pad_vocab_to_multiple_of: int = 1, **config_overrides):
+    """A bert_ds :class:`~bert_ds.model.BertForPreTraining` initialised from an HF ``BertForPreTraining`` directory.
+
+    ``config_overrides`` replace config fields that do not change tensor shapes (e.g. dropout)."""
+    from bert_ds.model import BertForPreTraining
+
+    config = bert_config_from_hf(hf_dir, pad_vocab_to_multiple_of, **config_overrides)
+    state = from_hf_state_dict(read_hf_state_dict(hf_dir), config, source=str(hf_dir))
+    model = BertForPreTraining(config, kernels=kernels, activation_checkpointing=activation_checkpointing)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def save_hf_model(hf_state: dict[str, torch.Tensor], config: BertConfig, out_dir: str | Path) -> None:
+    """Write ``config.json`` + ``model.safetensors`` through transformers itself, so the files are exactly what
+    ``from_pretrained`` expects (tied decoder entries included)."""
+    import transformers
+
+    hf_config = transformers.BertConfig(**hf_config_dict(config))
+    model = transformers.BertForPreTraining(hf_config)
+    model.load_state_dict(hf_state, strict=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def tokenizer_vocab_size(tokenizer_dir: str | Path) -> int:
+    vocab = Path(tokenizer_dir) / "vocab.txt"
+    if not vocab.is_file():
+        raise ExportError(f"{vocab}: missing (the tokenizer vocabulary is saved beside the checkpoints)")
+    return len(vocab.read_text(encoding="utf-8").splitlines())
+
+
+def write_tokenizer(tokenizer_dir: str | Path, out_dir: str | Path, vocab_size: int) -> None:
+    """Write an HF BERT WordPiece tokenizer built from ``vocab.txt`` and ``tokenizer_meta.json`` (lowercase flag; a
+    bare ``vocab.txt`` means uncased, as Google's release), plus ``vocab.txt`` itself for other tools."""
+    import transformers
+
+    tokenizer_dir = Path(tokenizer_dir)
+    size = tokenizer_vocab_size(tokenizer_dir)
+    if size != vocab_size:
+        raise ExportError(f"{tokenizer_dir / 'vocab.txt'}: {size} tokens, but the model config has "
+                          f"vocab_size={vocab_size}")
+    lowercase = True
+    meta = tokenizer_dir / "tokenizer_meta.json"
+    if meta.is_file():
+        try:
+            lowercase = json.loads(meta.read_text())["lowercase"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ExportError(f"{meta}: expected {{\"lowercase\": true|false}}: {exc}") from exc
+        if not isinstance(lowercase, bool):
+            raise ExportError(f"{meta}: lowercase={lowercase!r} must be true or false")
+    tokenizer = transformers.BertTokenizer(vocab=str(tokenizer_dir / "vocab.txt"), do_lower_case=lowercase)
+    if len(tokenizer) != vocab_size:
+        raise ExportError(f"{tokenizer_dir / 'vocab.txt'}: the tokenizer built from it has {len(tokenizer)} tokens "
+                          f"(duplicate lines?), the model config has vocab_size={vocab_size}")
+    tokenizer.save_pretrained(out_dir)
+    shutil.copyfile(tokenizer_dir / "vocab.txt", Path(out_dir) / "vocab.txt")
+
+
+def export_model(state_dict: dict[str, torch.Tensor], config: BertConfig, out_dir: str | Path,
+                 tokenizer_dir: str | Path | None = None, source: str = "bert_ds state dict") -> None:
+    """bert_ds state dict -> an HF directory (``out_dir`` must exist; the caller handles atomicity)."""
+    save_hf_model(to_hf_state_dict(state_dict, config, source), config, out_dir)
+    if tokenizer_dir is not None:
+        write_tokenizer(tokenizer_dir, out_dir, config.vocab_size)

@@ -1,0 +1,158 @@
+"""The converter on real DeepSpeed checkpoints (ZeRO 0, 2 and 3 on one CPU/gloo rank), and its refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from bert_ds.export import convert as convert_module
+from bert_ds.export import convert_checkpoint, verify_export
+from bert_ds.export.keymap import PADDED_VOCAB_KEYS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location("tools_convert_checkpoint", REPO / "tools" / "convert_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+cli = _load_cli()
+
+STAGES = (0, 2, 3)
+TAG = "global_step1"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """One subprocess writes all stages: DeepSpeed's process group stays out of the pytest process."""
+    out = tmp_path_factory.mktemp("ds")
+    script = Path(__file__).with_name("make_ds_checkpoint.py")
+    result = subprocess.run([sys.executable, str(script), str(out), "--stages", *map(str, STAGES)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_convert_and_load_in_transformers(checkpoints, tmp_path, stage, capsys):
+    out = tmp_path / "hf"
+    assert cli(["--checkpoint", str(checkpoints / f"stage{stage}"), "--out", str(out)]) == 0
+    assert "verified" in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "vocab.txt", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # the temp dir was renamed, nothing else left
+
+    # The exported weights are the trained module's, vocab rows trimmed.
+    reference = torch.load(checkpoints / f"stage{stage}_reference.pt")
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    model = transformers.BertForPreTraining.from_pretrained(out)
+    exported = model.state_dict()
+    for name, tensor in reference.items():
+        expected = tensor[:vocab] if name in PADDED_VOCAB_KEYS else tensor
+        torch.testing.assert_close(exported[name], expected, rtol=0, atol=0, msg=name)
+    assert torch.equal(exported["cls.predictions.decoder.weight"], exported["bert.embeddings.word_embeddings.weight"])
+    assert set(load_file(out / "model.safetensors")) >= set(reference) - {"cls.predictions.bias"}
+
+    fill = transformers.pipeline("fill-mask", model=str(out), tokenizer=str(out))
+    predictions = fill("the cat [MASK] on the mat.")
+    assert len(predictions) == 5 and all(p["token_str"] for p in predictions)
+
+    _, info = transformers.AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert {k.split(".")[0] + "." + k.split(".")[1] for k in info["unexpected_keys"]} <= {"bert.pooler",
+                                                                                          "cls.seq_relationship"}
+    _, info = transformers.BertForSequenceClassification.from_pretrained(out, num_labels=3,
+                                                                        output_loading_info=True)
+    assert set(info["missing_keys"]) <= {"classifier.weight", "classifier.bias"}
+    assert all(k.startswith("cls.") for k in info["unexpected_keys"])
+
+
+def test_explicit_tag_and_no_verify(checkpoints, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()  # an existing empty directory is fine
+    assert convert_checkpoint(checkpoints / "stage2", out, tag=TAG, verify=False) is None
+    assert (out / "model.safetensors").is_file()
+
+
+def _fake_checkpoint(root: Path, tags=("global_step5",), latest=True, vocab_lines=29, vocab_size=29) -> Path:
+    """Just enough layout for the refusals, which all happen before any tensor is read."""
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    for tag in tags:
+        (ckpt / tag).mkdir()
+        (ckpt / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    if latest and tags:
+        (ckpt / "latest").write_text(tags[-1])
+    from bert_ds.config import model_preset
+
+    model_preset("tiny", vocab_size=vocab_size).save(ckpt / "model_config.json")
+    (ckpt / "tokenizer").mkdir()
+    (ckpt / "tokenizer" / "vocab.txt").write_text("".join(f"tok{i}\n" for i in range(vocab_lines)))
+    return ckpt
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("empty", "no DeepSpeed checkpoint here"),
+    ("no_latest", r"no 'latest' file .*global_step5"),
+    ("bad_tag", r"tag 'global_step9' not found; available: \['global_step3', 'global_step5'\]"),
+    ("vocab", r"model_config.json: vocab_size=29 but .*vocab.txt has 30 tokens"),
+    ("out_exists", "already exists and is not an empty directory"),
+    ("missing_dir", "not a directory"),
+])
+def test_bad_input_exits_2_with_one_clear_error(tmp_path, capsys, case, pattern):
+    args = ["--out", str(tmp_path / "out")]
+    if case == "empty":
+        (tmp_path / "ckpt").mkdir()
+        ckpt = tmp_path / "ckpt"
+    elif case == "no_latest":
+        ckpt = _fake_checkpoint(tmp_path, latest=False)
+    elif case == "bad_tag":
+        ckpt = _fake_checkpoint(tmp_path, tags=("global_step3", "global_step5"))
+        args += ["--tag", "global_step9"]
+    elif case == "vocab":
+        ckpt = _fake_checkpoint(tmp_path, vocab_lines=30)
+    elif case == "out_exists":
+        ckpt = _fake_checkpoint(tmp_path)
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "keep.txt").write_text("x")
+    else:
+        ckpt = tmp_path / "nowhere"
+    assert cli(["--checkpoint", str(ckpt), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(pattern, err), err
+    if case == "out_exists":
+        assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_verification_failure_exits_1_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints / "stage0", ckpt)
+    real_consolidate = convert_module.consolidate_checkpoint
+
+    def consolidate_then_corrupt_one_weight(ref):
+        state = real_consolidate(ref)
+        # Stands in for a wrong name map: the export writes the corrupted tensor, verification compares
+        # against a clean copy.
+        clean = {k: v.clone() for k, v in state.items()}
+        state["bert.encoder.layer.1.output.dense.weight"][0].add_(0.5)  # one row: LayerNorm cannot cancel it
+        monkeypatch.setattr(convert_module, "verify_export", lambda out, _state, config: verify_export(out, clean,
+                                                                                                        config))
+        return state
+
+    monkeypatch.setattr(convert_module, "consolidate_checkpoint", consolidate_then_corrupt_one_weight)
+    assert cli(["--checkpoint", str(ckpt), "--out", str(tmp_path / "out")]) == 1
+    assert "disagrees with bert_ds" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
