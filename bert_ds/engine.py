@@ -1,0 +1,130 @@
+"""The one place that wires model + optimizer + DeepSpeed config together.
+
+``build_engine`` takes a recipe and a phase and returns a ready DeepSpeed engine whose client optimizer is
+:class:`bert_ds.optim.ZeroAwareLamb` (or AdamW) bound to ZeRO's partition layout, with the phase's warm-up +
+polynomial-decay schedule. The DeepSpeed config dict is generated here from the phase's batch sizes; nothing else in
+the package writes one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from bert_ds.config import BertConfig
+from bert_ds.model import BertForPreTraining
+from bert_ds.optim import bind_optimizer, build_optimizer, warmup_poly_decay
+from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
+
+__all__ = ["TrainEngine", "build_engine", "build_model", "deepspeed_config", "resolve_precision"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_precision(requested: str, device_type: str) -> str:
+    """``auto`` -> bf16 on GPU, fp32 on CPU. Half precision on CPU is downgraded to fp32 (with a log line): DeepSpeed's
+    CPU path trains in fp32 and the CPU runs exist for correctness, which is compared in fp32."""
+    if device_type == "cpu":
+        if requested in ("bf16", "fp16"):
+            log.warning("precision %s requested on CPU: training in fp32 instead", requested)
+        return "fp32"
+    return "bf16" if requested == "auto" else requested
+
+
+def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precision: str,
+                     where: str = "phase") -> dict:
+    """DeepSpeed's config for one phase; raises ValueError before any compute if the batch sizes do not divide."""
+    accumulation = gradient_accumulation_steps(phase, world_size, where)
+    ds = recipe.deepspeed
+    config: dict = {
+        "train_batch_size": phase.global_batch_size,
+        "train_micro_batch_size_per_gpu": phase.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": ds.gradient_clipping,
+        "steps_per_print": 1 << 30,  # bert_ds.metrics does the logging
+        "wall_clock_breakdown": False,
+        # LAMB is not on ZeRO's tested list; ZeroAwareLamb handles ZeRO's flat partitions itself (bert_ds.optim).
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": ds.zero_stage},
+    }
+    if ds.zero_stage in (1, 2):
+        # Plain reduce-scatter order keeps results independent of bucket timing; overlap is a GPU-speed option.
+        # elastic_checkpoint: each rank's optimizer state is saved as flat partitions that DeepSpeed merges and
+        # re-partitions on load, so a checkpoint resumes onto a different number of ranks (bert_ds.checkpoint).
+        config["zero_optimization"].update({"contiguous_gradients": True, "overlap_comm": False,
+                                            "elastic_checkpoint": True})
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": ds.loss_scale, "initial_scale_power": ds.initial_scale_power,
+                          "loss_scale_window": ds.loss_scale_window, "hysteresis": ds.hysteresis,
+                          "min_loss_scale": ds.min_loss_scale}
+    return config
+
+
+def build_model(recipe: Recipe, model_config: BertConfig, init_from_hf: str | None = None,
+                state_dict: dict | None = None) -> BertForPreTraining:
+    """The single-device model, initialised from the recipe seed (identical on every rank), a Hugging Face
+    directory, or a state dict (phase hand-off, re-partitioned resume)."""
+    torch.manual_seed(recipe.seed)
+    act_ckpt = recipe.deepspeed.activation_checkpointing
+    if init_from_hf is not None:
+        model = BertForPreTraining.from_hf(init_from_hf, kernels=recipe.kernels, activation_checkpointing=act_ckpt,
+                                           pad_vocab_to_multiple_of=model_config.pad_vocab_to_multiple_of,
+                                           hidden_dropout_prob=model_config.hidden_dropout_prob,
+                                           attention_probs_dropout_prob=model_config.attention_probs_dropout_prob)
+        if model.config != model_config:
+            raise ValueError(f"--init-from-hf {init_from_hf}: its config {model.config} differs from the run's "
+                             f"{model_config}")
+    else:
+        model = BertForPreTraining(model_config, kernels=recipe.kernels, activation_checkpointing=act_ckpt)
+    if state_dict is not None:
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        # The decoder weight is tied to the word embeddings and may be stored under either name only.
+        missing = [k for k in missing if k != "cls.predictions.decoder.weight"]
+        if missing or unexpected:
+            raise ValueError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
+
+
+@dataclass
+class TrainEngine:
+    engine: deepspeed.DeepSpeedEngine
+    scheduler: LambdaLR
+    ds_config: dict
+    precision: str
+    accumulation: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def current_lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+
+def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, world_size: int) -> TrainEngine:
+    """Wrap ``model`` in a DeepSpeed engine for ``recipe.phases[phase_index]`` with a fresh optimizer and schedule."""
+    from deepspeed.accelerator import get_accelerator
+
+    phase = recipe.phases[phase_index]
+    where = f"phases[{phase_index}]"
+    precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
+    ds_config = deepspeed_config(recipe, phase, world_size, precision, where)
+    opt = recipe.optimizer
+    lamb_kw = {}
+    if opt.name == "lamb":
+        lamb_kw["bias_correction"] = opt.bias_correction
+        if opt.trust_clamp is not None:
+            lamb_kw["min_trust"], lamb_kw["max_trust"] = opt.trust_clamp
+    optimizer = build_optimizer(opt.name, model, phase.lr, weight_decay=opt.weight_decay, betas=opt.betas,
+                                eps=opt.eps, zero_stage=recipe.deepspeed.zero_stage, **lamb_kw)
+    scheduler = LambdaLR(optimizer, warmup_poly_decay(phase.steps, phase.warmup_fraction, phase.decay_power))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    bind_optimizer(engine)
+    return TrainEngine(engine=engine, scheduler=scheduler, ds_config=ds_config, precision=precision,
+                       accumulation=ds_config["gradient_accumulation_steps"])

@@ -1,0 +1,281 @@
+"""Training recipes: one typed dataclass per concern, loaded from JSON and validated before any compute.
+
+A recipe fixes everything that decides the numbers a run produces (model, optimizer, phases, precision). Batch sizes
+live only in the phases; DeepSpeed's ``train_batch_size`` / ``gradient_accumulation_steps`` are derived from them
+in :mod:`bert_ds.engine`, which refuses inconsistent values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bert_ds.config import MODEL_PRESETS, BertConfig, model_preset
+
+__all__ = ["OptimizerConfig", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "Recipe", "load_recipe",
+           "gradient_accumulation_steps", "resume_blockers"]
+
+_KERNELS = ("auto", "triton", "torch", "apex")
+_PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{owner}.{name} must be a non-negative integer, got {value!r}")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "lamb"
+    """``lamb`` (You et al. 2019; NVIDIA and bing_bert recipes) or ``adamw``."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases or LayerNorm parameters (NVIDIA recipe)."""
+    trust_clamp: tuple[float, float] | None = None
+    """LAMB only: clamp the trust ratio to [min, max]; bing_bert uses [0.01, 0.3]. ``None``: unclamped (NVIDIA)."""
+    bias_correction: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in ("lamb", "adamw"):
+            raise ValueError(f"optimizer.name={self.name!r}: choose 'lamb' or 'adamw'")
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer.betas={list(self.betas)!r}: need two values in [0, 1)")
+        if not self.eps > 0:
+            raise ValueError(f"optimizer.eps={self.eps!r} must be > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"optimizer.weight_decay={self.weight_decay!r} must be >= 0")
+        if self.trust_clamp is not None:
+            self.trust_clamp = tuple(self.trust_clamp)
+            if len(self.trust_clamp) != 2 or not 0 <= self.trust_clamp[0] <= self.trust_clamp[1]:
+                raise ValueError(f"optimizer.trust_clamp={list(self.trust_clamp)!r}: need [min, max], 0 <= min <= max")
+            if self.name != "lamb":
+                raise ValueError("optimizer.trust_clamp is a LAMB setting; remove it for adamw")
+
+
+@dataclass
+class PhaseConfig:
+    seq_len: int
+    steps: int
+    """Optimizer steps in this phase (each consumes ``global_batch_size`` sequences)."""
+    global_batch_size: int
+    micro_batch_size: int
+    """Sequences per rank per forward pass; accumulation = global / (micro * world size)."""
+    lr: float
+    warmup_fraction: float
+    max_predictions: int
+    """Masked positions per sequence (Google/NVIDIA: 20 at seq 128, 80 at seq 512); shards must match."""
+    decay_power: float = 0.5
+    """Polynomial decay power after warm-up (NVIDIA's PolyWarmUpScheduler uses 0.5)."""
+    target_mlm_accuracy: float | None = None
+    """Stop the phase early once evaluation MLM accuracy reaches this (MLPerf: 0.720); needs eval data."""
+    eval_interval: int = 0
+    """Evaluate every N steps (0: only at the end of the phase, when eval data is given)."""
+    checkpoint_interval: int = 0
+    """Checkpoint every N steps (0: only at the end of the phase and on pre-emption)."""
+    dynamic_masking: bool | None = None
+    """Re-mask on the fly each epoch; ``None`` keeps the shards' static masks."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "steps", "global_batch_size", "micro_batch_size", "max_predictions"):
+            _positive_int("phase", name, getattr(self, name))
+        for name in ("eval_interval", "checkpoint_interval"):
+            _non_negative_int("phase", name, getattr(self, name))
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"phase.global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"phase.micro_batch_size={self.micro_batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"phase.lr={self.lr!r} must be > 0")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"phase.warmup_fraction={self.warmup_fraction!r} must be in [0, 1)")
+        if not self.decay_power > 0:
+            raise ValueError(f"phase.decay_power={self.decay_power!r} must be > 0")
+        if self.max_predictions > self.seq_len:
+            raise ValueError(f"phase.max_predictions={self.max_predictions} exceeds phase.seq_len={self.seq_len}")
+        if self.target_mlm_accuracy is not None and not 0.0 < self.target_mlm_accuracy <= 1.0:
+            raise ValueError(f"phase.target_mlm_accuracy={self.target_mlm_accuracy!r} must be in (0, 1]")
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: int = 2
+    precision: str = "auto"
+    """``auto``: bf16 on GPU, fp32 on CPU. ``fp16`` uses dynamic loss scaling unless ``loss_scale`` > 0.
+    Half precision requested on CPU is downgraded to fp32 with a log line."""
+    loss_scale: float = 0.0
+    """fp16 only: 0 = dynamic loss scaling, > 0 = this static scale."""
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    gradient_clipping: float = 1.0
+    """Global-norm clipping (NVIDIA recipe: 1.0); 0 disables."""
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"deepspeed.zero_stage={self.zero_stage!r}: choose 0, 1, 2 or 3")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"deepspeed.precision={self.precision!r}: choose one of {_PRECISIONS}")
+        if not self.loss_scale >= 0:
+            raise ValueError(f"deepspeed.loss_scale={self.loss_scale!r} must be >= 0 (0 = dynamic)")
+        if not self.gradient_clipping >= 0:
+            raise ValueError(f"deepspeed.gradient_clipping={self.gradient_clipping!r} must be >= 0")
+        for name in ("initial_scale_power", "loss_scale_window", "hysteresis"):
+            _positive_int("deepspeed", name, getattr(self, name))
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10
+    """Console line / TensorBoard point every N steps."""
+    keep_last_k: int = 3
+    """Checkpoints kept on disk (the newest is never deleted)."""
+    max_nonfinite_steps: int = 5
+    """bf16/fp32: stop after this many consecutive non-finite losses (fp16's scaler skips them instead)."""
+    peak_tflops: float | None = None
+    """Accelerator peak for MFU; ``None`` leaves MFU out."""
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "keep_last_k", "max_nonfinite_steps"):
+            _positive_int("logging", name, getattr(self, name))
+
+
+@dataclass
+class Recipe:
+    model: str = "tiny"
+    """Model preset (``tiny``, ``base``, ``large``) from :data:`bert_ds.config.MODEL_PRESETS`."""
+    phases: list[PhaseConfig] = field(default_factory=list)
+    model_overrides: dict = field(default_factory=dict)
+    """BertConfig fields replacing the preset's (``vocab_size`` is always taken from the tokenizer)."""
+    kernels: str = "auto"
+    nsp: bool = True
+    """Train the next-sentence head (RoBERTa-style MLM-only when false)."""
+    seed: int = 12345
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model={self.model!r}: choose one of {sorted(MODEL_PRESETS)}")
+        if self.kernels not in _KERNELS:
+            raise ValueError(f"kernels={self.kernels!r}: choose one of {_KERNELS}")
+        _non_negative_int("recipe", "seed", self.seed)
+        if not self.phases:
+            raise ValueError("phases: a recipe needs at least one phase")
+        if len(self.phases) > 2:
+            raise ValueError(f"phases: at most 2 phases (seq 128 then 512), got {len(self.phases)}")
+        if self.optimizer.name == "lamb" and self.deepspeed.zero_stage == 3:
+            raise ValueError("deepspeed.zero_stage=3: ZeroAwareLamb is exact under ZeRO stage 0/1/2 only "
+                             "(per-tensor trust ratios across stage-3 sub-groups are not implemented); use 1 or 2")
+        config = self.model_config(vocab_size=30522)  # raises on bad model_overrides, naming the field
+        for i, phase in enumerate(self.phases):
+            if phase.seq_len > config.max_position_embeddings:
+                raise ValueError(f"phases[{i}].seq_len={phase.seq_len} exceeds max_position_embeddings")
+
+    def model_config(self, vocab_size: int) -> BertConfig:
+        overrides = {**self.model_overrides, "vocab_size": vocab_size}
+        try:
+            return model_preset(self.model, **overrides)
+        except TypeError as exc:
+            raise ValueError(f"model_overrides: {exc}") from exc
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "recipe") -> Recipe:
+        """Build from JSON data; an unknown key anywhere is an error naming the key and ``source``."""
+        return _build(cls, data, source, "")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+_NESTED = {"optimizer": OptimizerConfig, "deepspeed": DeepSpeedSection, "logging": LoggingConfig}
+
+
+def _build(cls, data: Any, source: str, where: str):
+    label = where or "recipe"
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: {label} must be a JSON object, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {[f'{where}.{k}' if where else k for k in unknown]} "
+                         f"(known: {sorted(known)})")
+    kwargs = dict(data)
+    if cls is Recipe:
+        for key, sub in _NESTED.items():
+            if key in kwargs:
+                kwargs[key] = _build(sub, kwargs[key], source, key)
+        if "phases" in kwargs:
+            if not isinstance(kwargs["phases"], list):
+                raise ValueError(f"{source}: phases must be a list")
+            kwargs["phases"] = [_build(PhaseConfig, p, source, f"phases[{i}]") for i, p in enumerate(kwargs["phases"])]
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a missing required field
+        raise ValueError(f"{source}: {label}: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read recipe: {exc}") from exc
+    recipe = Recipe.from_dict(data, source=str(path))
+    if not recipe.name:
+        recipe.name = path.stem
+    return recipe
+
+
+def gradient_accumulation_steps(phase: PhaseConfig, world_size: int, where: str = "phase") -> int:
+    """global = micro * accumulation * world size, or a ValueError naming the fields (before any compute)."""
+    per_step = phase.micro_batch_size * world_size
+    if phase.global_batch_size % per_step:
+        raise ValueError(f"{where}.global_batch_size={phase.global_batch_size} is not divisible by "
+                         f"{where}.micro_batch_size={phase.micro_batch_size} x world size {world_size}")
+    return phase.global_batch_size // per_step
+
+
+# Fields that may change between a checkpoint and its resume without changing the numbers the run produces.
+_RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointing"}
+_PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy"}
+
+
+def resume_blockers(saved: dict, current: Recipe) -> list[str]:
+    """Dotted names of the fields where ``current`` differs from a checkpoint's recipe in a way that matters."""
+    now = current.to_dict()
+    diffs: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if path in _RESUME_FREE or (path.startswith("phases[") and path.rsplit(".", 1)[-1] in _PHASE_RESUME_FREE):
+            return
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                walk(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+        elif isinstance(a, list | tuple) and isinstance(b, list | tuple) and path == "phases":
+            if len(a) != len(b):
+                diffs.append("phases (count)")
+            for i, (x, y) in enumerate(zip(a, b, strict=False)):
+                walk(x, y, f"phases[{i}]")
+        elif (list(a) if isinstance(a, tuple) else a) != (list(b) if isinstance(b, tuple) else b):
+            diffs.append(path)
+
+    walk(saved, now, "")
+    return diffs

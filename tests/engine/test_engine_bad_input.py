@@ -1,0 +1,113 @@
+"""Bad input through the real CLI: each fails before any compute (or, for non-finite losses, stops cleanly), exits
+with a distinct code and names the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, SMALL_RECIPE, run_pretrain, write_recipe
+
+from bert_ds.data.synthetic import write_synthetic_shards
+from bert_ds.pretrain import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
+
+
+def _fails(args, nprocs=1, code=EXIT_BAD_INPUT):
+    proc = run_pretrain(args, nprocs=nprocs, check=False, timeout=180)
+    if nprocs == 1:
+        assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:  # the launcher reports a failed rank with its own non-zero code
+        assert proc.returncode != 0
+    return proc.stdout + proc.stderr
+
+
+def test_recipe_typo(synthetic_data, tmp_path):
+    bad = {**SMALL_RECIPE, "optimizer": {"name": "lamb", "weight_decya": 0.01}}
+    recipe = write_recipe(tmp_path / "typo.json", base=bad)
+    out = _fails(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")])
+    assert "optimizer.weight_decya" in out and "typo.json" in out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_batch_inconsistent_with_world_size(synthetic_data, tmp_path):
+    phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
+    phases[0].update(global_batch_size=2, micro_batch_size=2)  # fine on 1 rank, 2 x 2 ranks > 2 on two
+    recipe = write_recipe(tmp_path / "r.json", phases=phases)
+    out = _fails(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")],
+                 nprocs=2)
+    assert "phases[0].global_batch_size=2 is not divisible by phases[0].micro_batch_size=2 x world size 2" in out
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_shards_with_wrong_seq_len(synthetic_data, tmp_path):
+    s128, s512 = synthetic_data
+    recipe = write_recipe(tmp_path / "r.json")
+    out = _fails(["--recipe", str(recipe), "--data", str(s512), str(s128), "--output", str(tmp_path / "run")])
+    assert "field 'seq_len' is 512 but the run expects 128" in out and "phases[0]" in out
+
+
+def test_shards_with_other_vocab(synthetic_data, tmp_path):
+    other = tmp_path / "other512"
+    write_synthetic_shards(other, num_samples=20, samples_per_shard=10, seq_len=512, max_predictions=80,
+                           vocab_size=12000, seed=3, vocab_sha256="another-vocabulary")
+    recipe = write_recipe(tmp_path / "r.json")
+    out = _fails(["--recipe", str(recipe), "--data", str(synthetic_data[0]), str(other),
+                  "--output", str(tmp_path / "run")])
+    assert "field 'vocab_sha256'" in out and "phases[1]" in out
+
+
+@pytest.mark.slow
+def test_resume_with_different_recipe(synthetic_data, tmp_path):
+    run = tmp_path / "run"
+    data = ["--data", *map(str, synthetic_data), "--output", str(run)]
+    run_pretrain(["--recipe", str(write_recipe(tmp_path / "a.json")), *data, "--max-steps", "1"])
+    phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
+    phases[0]["lr"] = 5e-3
+    changed = write_recipe(tmp_path / "b.json", phases=phases, logging={"interval": 2})
+    out = _fails(["--recipe", str(changed), *data, "--resume", "auto"])
+    assert "phases[0].lr" in out and "logging" not in out.split("field(s)")[1].split("differ")[0]
+    out = _fails(["--recipe", str(write_recipe(tmp_path / "a.json")), *data])  # no --resume: refuses to overwrite
+    assert "--resume auto" in out
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(synthetic_data, tmp_path):
+    phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
+    phases[0].update(lr=1e38, steps=8, checkpoint_interval=1)  # the first update overflows the weights
+    recipe = write_recipe(tmp_path / "r.json", phases=phases, deepspeed={"zero_stage": 0})
+    run = tmp_path / "run"
+    out = _fails(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(run)],
+                 code=EXIT_NONFINITE)
+    assert "non-finite" in out and "logging.max_nonfinite_steps=2" in out
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert latest == "phase1-step000001" and f"last good checkpoint: {latest}" in out
+    assert sorted(p.name for p in (run / "checkpoints").glob("phase*")) == ["phase1-step000001"]
+
+
+@pytest.mark.slow
+def test_sigusr1_checkpoints_and_exits_with_preempted_code(synthetic_data, tmp_path):
+    phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
+    phases[0]["steps"] = 500
+    recipe = write_recipe(tmp_path / "r.json", phases=phases)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(recipe), "--data",
+                             *map(str, synthetic_data), "--output", str(run)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 1 "):
+            proc.send_signal(signal.SIGUSR1)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == EXIT_PREEMPTED, "".join(lines[-40:])
+    tag = (run / "checkpoints" / "latest").read_text()
+    state = json.loads((run / "checkpoints" / tag / "run_state.json").read_text())
+    assert state["phase"] == 0 and 1 <= state["step"] < 500 and not state["phase_done"]
+    assert any("pre-empted" in line for line in lines)

@@ -1,0 +1,52 @@
+"""Pure functions of the engine: the generated DeepSpeed config, precision resolution, checkpoint tags/retention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SMALL_RECIPE
+
+from bert_ds.checkpoint import list_tags, parse_tag, prune_checkpoints, read_latest, tag_for
+from bert_ds.engine import deepspeed_config, resolve_precision
+from bert_ds.recipe import Recipe
+
+
+def test_deepspeed_config_is_derived_from_the_phase():
+    recipe = Recipe.from_dict(json.loads(json.dumps(SMALL_RECIPE)))
+    ds = deepspeed_config(recipe, recipe.phases[0], world_size=2, precision="fp32")
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == \
+        (4, 1, 2)
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["elastic_checkpoint"] is True
+    assert ds["zero_allow_untested_optimizer"] is True and ds["gradient_clipping"] == 1.0
+    assert "bf16" not in ds and "fp16" not in ds and "optimizer" not in ds and "scheduler" not in ds
+    fp16 = deepspeed_config(recipe, recipe.phases[0], world_size=1, precision="fp16")
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic
+    assert deepspeed_config(recipe, recipe.phases[0], world_size=4, precision="bf16")["bf16"] == {"enabled": True}
+    with pytest.raises(ValueError, match="global_batch_size=4 is not divisible"):
+        deepspeed_config(recipe, recipe.phases[0], world_size=3, precision="fp32")
+
+
+def test_precision_resolution():
+    assert resolve_precision("auto", "cuda") == "bf16"
+    assert resolve_precision("fp16", "cuda") == "fp16"
+    assert resolve_precision("auto", "cpu") == "fp32"
+    assert resolve_precision("bf16", "cpu") == "fp32"  # downgraded with a log line
+
+
+def test_tags_and_retention(tmp_path):
+    assert tag_for(0, 40) == "phase1-step000040" and parse_tag("phase2-step001563") == (1, 1563)
+    assert parse_tag("global_step40") is None
+    for p, s in ((0, 10), (0, 20), (0, 40), (1, 5), (1, 10)):
+        (tmp_path / tag_for(p, s)).mkdir()
+        (tmp_path / tag_for(p, s) / "run_state.json").write_text("{}")
+    (tmp_path / "phase2-step000015").mkdir()  # incomplete: no run_state.json, never listed
+    (tmp_path / "latest").write_text("phase2-step000010")
+    assert list_tags(tmp_path) == ["phase1-step000010", "phase1-step000020", "phase1-step000040",
+                                   "phase2-step000005", "phase2-step000010"]
+    assert prune_checkpoints(tmp_path, keep_last_k=2) == ["phase1-step000010", "phase1-step000020",
+                                                          "phase1-step000040"]
+    assert read_latest(tmp_path) == "phase2-step000010"
+    (tmp_path / "latest").write_text("phase2-step000015")
+    with pytest.raises(ValueError, match="run_state.json is missing"):
+        read_latest(tmp_path)

@@ -1,0 +1,111 @@
+"""Every shipped recipe loads and validates; bad recipes fail before any compute, naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bert_ds.engine import deepspeed_config
+from bert_ds.recipe import Recipe, gradient_accumulation_steps, load_recipe, resume_blockers
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_recipe_is_valid(path):
+    recipe = load_recipe(path)
+    config = recipe.model_config(vocab_size=30522)
+    for i, phase in enumerate(recipe.phases):
+        assert phase.seq_len <= config.max_position_embeddings
+        for world in (1, 2, 8):
+            if phase.global_batch_size % (phase.micro_batch_size * world) == 0:
+                ds = deepspeed_config(recipe, phase, world, "bf16", f"phases[{i}]")
+                assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] *
+                                                  ds["gradient_accumulation_steps"] * world)
+    assert resume_blockers(recipe.to_dict(), recipe) == []
+
+
+def test_bert_large_is_the_nvidia_lamb_recipe():
+    r = load_recipe(CONFIGS[0].parent / "bert_large.json")
+    p1, p2 = r.phases
+    assert (r.model, r.optimizer.name, r.optimizer.weight_decay, r.deepspeed.gradient_clipping) == \
+        ("large", "lamb", 0.01, 1.0)
+    assert (p1.seq_len, p1.steps, p1.global_batch_size, p1.lr, p1.warmup_fraction, p1.max_predictions) == \
+        (128, 7038, 65536, 6e-3, 0.2843, 20)
+    assert (p2.seq_len, p2.steps, p2.global_batch_size, p2.lr, p2.warmup_fraction, p2.max_predictions) == \
+        (512, 1563, 32768, 4e-3, 0.128, 80)
+
+
+def _write(tmp_path, data) -> Path:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _tiny() -> dict:
+    return json.loads((CONFIGS[0].parent / "tiny_cpu.json").read_text())
+
+
+@pytest.mark.parametrize("where, key", [("", "phasess"), ("optimizer", "wieght_decay"), ("deepspeed", "zero"),
+                                        ("phases", "lr_warmup")])
+def test_typo_key_names_key_and_file(tmp_path, where, key):
+    data = _tiny()
+    if where == "":
+        data[key] = 1
+    elif where == "phases":
+        data["phases"][1][key] = 1
+    else:
+        data[where][key] = 1
+    path = _write(tmp_path, data)
+    with pytest.raises(ValueError, match=key) as err:
+        load_recipe(path)
+    assert str(path) in str(err.value)
+    if where == "phases":
+        assert "phases[1]" in str(err.value)
+
+
+@pytest.mark.parametrize("section, field, value", [
+    ("phase", "global_batch_size", 30),  # not a multiple of micro 4
+    ("phase", "warmup_fraction", 1.5),
+    ("phase", "max_predictions", 1000),
+    ("optimizer", "name", "sgd"),
+    ("deepspeed", "zero_stage", 4),
+    ("deepspeed", "precision", "fp8"),
+    ("logging", "keep_last_k", 0),
+])
+def test_bad_value_names_field(tmp_path, section, field, value):
+    data = _tiny()
+    if section == "phase":
+        data["phases"][0][field] = value
+    else:
+        data[section][field] = value
+    with pytest.raises(ValueError, match=field):
+        load_recipe(_write(tmp_path, data))
+
+
+def test_inconsistent_batch_for_world_size():
+    recipe = Recipe.from_dict(_tiny())
+    assert gradient_accumulation_steps(recipe.phases[0], 2) == 2  # 16 = 4 x 2 x 2
+    expected = r"phases\[0\].global_batch_size=16 .* phases\[0\].micro_batch_size=4 x world size 3"
+    with pytest.raises(ValueError, match=expected):
+        gradient_accumulation_steps(recipe.phases[0], 3, "phases[0]")
+
+
+def test_lamb_refuses_zero3(tmp_path):
+    data = _tiny()
+    data["deepspeed"]["zero_stage"] = 3
+    with pytest.raises(ValueError, match="zero_stage"):
+        load_recipe(_write(tmp_path, data))
+
+
+def test_resume_blockers_name_fields():
+    saved = Recipe.from_dict(_tiny())
+    changed = _tiny()
+    changed["phases"][1]["lr"] = 1e-3
+    changed["optimizer"]["weight_decay"] = 0.1
+    changed["logging"]["interval"] = 1  # does not matter
+    changed["phases"][0]["micro_batch_size"] = 2  # does not matter (accumulation absorbs it)
+    changed["phases"][0]["checkpoint_interval"] = 5  # does not matter
+    assert resume_blockers(saved.to_dict(), Recipe.from_dict(changed)) == ["optimizer.weight_decay", "phases[1].lr"]
