@@ -29,6 +29,10 @@ def forward_flops_per_sequence(config: BertConfig, seq_len: int, max_predictions
         pooler + NSP   2·H² + 2·H·2                    (the [CLS] vector only)
         MLM head       P · (2·H² + 2·H·V)              (transform dense, decoder over the vocabulary)
 
+    When P is given, the model's last layer computes only the R = 1 + P rows the heads read ([CLS] and the masked
+    positions): keys and values for all S rows, everything else for R rows, so that layer costs
+    4·S·H² + 4·R·H² + 4·R·S·H + 4·R·H·I instead of the full layer above.
+
     V is the real vocabulary: the model's decoder slices off the padded rows (``pad_vocab_to_multiple_of``), so
     they cost nothing. Embedding look-ups, LayerNorm, GELU, softmax and biases are element-wise work, not matrix
     products, and are left out as model-FLOPs accounting does. The count equals PyTorch's ``FlopCounterMode`` on
@@ -43,9 +47,11 @@ def forward_flops_per_sequence(config: BertConfig, seq_len: int, max_predictions
     v = config.vocab_size
     p = s if max_predictions is None else max_predictions
     layer = 8 * s * h * h + 4 * s * h * i + 4 * s * s * h
+    r = s if max_predictions is None else min(s, 1 + p)
+    last_layer = 4 * s * h * h + 4 * r * h * h + 4 * r * s * h + 4 * r * h * i
     pooler_nsp = 2 * h * h + 2 * h * 2
     mlm = p * (2 * h * h + 2 * h * v)
-    return float(config.num_hidden_layers * layer + pooler_nsp + mlm)
+    return float((config.num_hidden_layers - 1) * layer + last_layer + pooler_nsp + mlm)
 
 
 def training_flops_per_sequence(config: BertConfig, seq_len: int, max_predictions: int | None = None) -> float:
@@ -55,8 +61,9 @@ def training_flops_per_sequence(config: BertConfig, seq_len: int, max_prediction
     Summed over the model this is ≈ 6 × parameters × tokens plus 12 × L × H × S per token for attention; with
     I = 4H the encoder term is Megatron-LM's 72·S·L·H²·(1 + S/6H) (Narayanan et al. 2021, eq. 3) per sequence.
     ``tests/test_metrics.py`` checks the 6·N·T agreement at base and large shapes (within 3 %).
-    BERT-large, vocabulary 30,522: 240.6 GFLOP per sequence at S = 128, P = 20, and 1,020.5 GFLOP at S = 512,
-    P = 80; NVIDIA's 574 seq/s per A100 at S = 128 is thus 138 TFLOP/s, 44 % of the 312 TFLOP/s bf16 peak.
+    BERT-large, vocabulary 30,522: 233.7 GFLOP per sequence at S = 128, P = 20, and 990.7 GFLOP at S = 512,
+    P = 80. At NVIDIA's 574 seq/s per A100 (S = 128) this count gives ~134 TFLOP/s, 43 % of the 312 TFLOP/s bf16
+    peak (NVIDIA's model runs the full last layer, ~3 % more work than counted here).
     """
     return 3.0 * forward_flops_per_sequence(config, seq_len, max_predictions)
 

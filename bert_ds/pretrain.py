@@ -262,6 +262,9 @@ class _Run:
                                             rank=self.rank, world_size=self.world_size,
                                             expected_seq_len=phase.seq_len, expected_vocab_sha256=self.vocab_sha256,
                                             max_predictions=phase.max_predictions)
+        elif phase.target_mlm_accuracy is not None and self.rank == 0:
+            log.warning("phases[%d].target_mlm_accuracy=%s is ignored without --eval-data for phase %d: it runs all "
+                        "%d steps", p, phase.target_mlm_accuracy, p + 1, phase.steps)
 
         step, consumed = start_step, 0
         if tag is not None and not handoff:
@@ -383,7 +386,10 @@ class _Run:
         return 0 if args.max_steps is not None and offset + step >= args.max_steps else None
 
     def run(self) -> int:
-        from bert_ds.metrics import MetricsLogger
+        from deepspeed.accelerator import get_accelerator
+
+        from bert_ds.engine import resolve_precision
+        from bert_ds.metrics import MetricsLogger, detect_peak_tflops
 
         p, step, tag, handoff = self.resume_point()
         if p >= len(self.recipe.phases) or p not in self.phases and p > max(self.phases):
@@ -396,7 +402,9 @@ class _Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.write_run_metadata(self.run_dir, self.recipe, self.model_config, self.args.tokenizer)
         self.metrics = MetricsLogger(self.run_dir / "tensorboard", rank=self.rank, model_config=self.model_config,
-                                     peak_tflops=self.recipe.logging.peak_tflops,
+                                     peak_tflops=self.recipe.logging.peak_tflops or detect_peak_tflops(
+                                         resolve_precision(self.recipe.deepspeed.precision,
+                                                           get_accelerator().device_name())),
                                      log_interval=self.recipe.logging.interval, world_size=self.world_size)
         try:
             if self.rank == 0:

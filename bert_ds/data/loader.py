@@ -34,7 +34,11 @@ Guarantees, as implemented:
   seed, global batch size, shuffle settings and shard set must match (refused, naming the field).
 * **Masking.** By default the static masks stored in the shards are used. With :class:`DynamicMasking`, every epoch
   re-masks each sample from its stored original tokens with 80/10/10 replacement at a configurable rate (e.g.
-  MosaicBERT's 30%), optionally whole-word; the mask depends only on ``(seed, epoch, global sample id)``.
+  MosaicBERT's 30%), optionally whole-word; the mask depends only on ``(seed, epoch, global sample id)``. Per-token
+  masking is vectorised over the micro batch: each sample's uniforms come from a counter-based generator (SplitMix64,
+  ``masking.counter_uniforms``) keyed by a hash of ``(seed, epoch, global sample id)``, so a sample's mask is the
+  same in a batch of 1 or 64, on any rank or worker. Whole-word masking (Google's sequential skip loop) stays per
+  sample, with a generator reset per sample from the same triple.
 * **Checks before data.** ``build_loader`` checks index.json against the run (``expected_seq_len``,
   ``expected_vocab_sha256``, the dynamic-masking vocab size) and every shard's byte size before anything is
   yielded; each shard is fully verified (size, optional sha256, sample count, member names) on first open in each
@@ -62,7 +66,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from bert_ds.data.index import ShardIndex
-from bert_ds.data.masking import default_max_predictions, mask_tokens, word_ids_from_pieces
+from bert_ds.data.masking import counter_hash, default_max_predictions, mask_pairs, mask_tokens, word_ids_from_pieces
 from bert_ds.data.reader import ShardError, ShardReader
 
 __all__ = [
@@ -81,6 +85,7 @@ label (0 IsNext, 1 NotNext) and true length."""
 
 # Distinct tags keep the shard-order and window random streams independent for the same (seed, epoch).
 _TAG_SHARDS, _TAG_WINDOW = 0x5A4D, 0x57494E
+_TAG_MASK = 0x4D41534B  # keys of the batched dynamic masking: counter_hash(_TAG_MASK, seed, epoch, sample id)
 
 
 # --------------------------------------------------------------------------------------------------------- masking
@@ -162,9 +167,17 @@ class DynamicMasking:
                 "max_predictions": self.max_predictions, "whole_word": self.whole_word, "mask_id": self.mask_id,
                 "continuation_sha256": table}
 
+    def mask_batch(self, original: np.ndarray, segment_a_lengths: np.ndarray, lengths: np.ndarray, keys: np.ndarray,
+                   max_predictions: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-token masking of a padded batch (not whole-word): (masked ids (b, S), positions (b, k) -1 padded,
+        original ids at them); row i's mask is a function of ``keys[i]`` alone (see ``masking.mask_pairs``)."""
+        return mask_pairs(original, segment_a_lengths, lengths, keys, max_predictions=max_predictions,
+                          vocab_size=self.vocab_size, mask_id=self.mask_id, masked_lm_prob=self.masked_lm_prob)
+
     def mask(self, original: np.ndarray, segment_a_length: int, rng: np.random.Generator,
              max_predictions: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(masked ids, ascending positions, original ids at those positions) for one ``[CLS] A [SEP] B [SEP]``."""
+        """(masked ids, ascending positions, original ids at those positions) for one ``[CLS] A [SEP] B [SEP]``,
+        one sample at a time through ``mask_tokens`` (the whole-word path)."""
         length = original.shape[0]
         # Never [CLS] (0) or the two [SEP]s (end of A, end of B) — BERT paper §3.1.
         candidates = np.ones(length, dtype=bool)
@@ -288,6 +301,9 @@ class _Collator:
         input_ids, token_type, attention, positions, labels, nsp, lengths = self._views(flat, b)
         labels.fill(IGNORE_INDEX)
         shards, indices = self.reader.locate(global_ids)
+        if self.dynamic is not None and not self.dynamic.whole_word:
+            self._remask_batch(flat, global_ids, epoch, shards, indices)
+            return flat
         for row in range(b):
             shard, index = int(shards[row]), int(indices[row])
             sample = self.reader.sample(shard, index)
@@ -310,6 +326,43 @@ class _Collator:
             nsp[row] = sample.nsp_label
             lengths[row] = n
         return flat
+
+    def _remask_batch(self, flat: np.ndarray, global_ids: np.ndarray, epoch: int, shards: np.ndarray,
+                      indices: np.ndarray) -> None:
+        """Per-token dynamic masking: restore every row's stored originals, then mask the whole batch at once
+        (``DynamicMasking.mask_batch``, each row keyed by (seed, epoch, global sample id)). Fills ``flat``."""
+        b, s, p = len(global_ids), self.seq_len, self.max_predictions
+        input_ids, token_type, attention, positions, labels, nsp, lengths = self._views(flat, b)
+        if b == 0:
+            return
+        segment_a, row_lengths, nsp_labels, stored_pos, stored_ids = [], [], [], [], []
+        for row in range(b):
+            shard, index = int(shards[row]), int(indices[row])
+            sample = self.reader.sample(shard, index)
+            n = sample.length
+            if n > s:
+                raise ShardError(f"{self._where(shard, index)}: length {n} exceeds index.json seq_len={s}")
+            input_ids[row, :n] = sample.input_ids
+            segment_a.append(sample.segment_a_length)
+            row_lengths.append(n)
+            nsp_labels.append(sample.nsp_label)
+            stored_pos.append(sample.masked_positions)
+            stored_ids.append(sample.masked_ids)
+        lengths[:] = row_lengths
+        nsp[:] = nsp_labels
+        rows = np.repeat(np.arange(b), [len(x) for x in stored_pos])
+        input_ids[rows, np.concatenate(stored_pos)] = np.concatenate(stored_ids)  # back to the stored originals
+        cols = np.arange(s)
+        segment_a = np.asarray(segment_a, dtype=np.int64)
+        attention[...] = cols < lengths[:, None]
+        token_type[...] = (cols >= segment_a[:, None]) & (cols < lengths[:, None])
+        keys = counter_hash(_TAG_MASK, self.seed, epoch, np.asarray(global_ids, dtype=np.int64))
+        masked, pos, orig = self.dynamic.mask_batch(input_ids, segment_a, lengths, keys, p)
+        input_ids[...] = masked
+        k = pos.shape[1]
+        chosen = pos >= 0
+        positions[:, :k] = np.where(chosen, pos, 0)
+        labels[:, :k] = np.where(chosen, orig, IGNORE_INDEX)
 
     def _views(self, flat, b: int) -> list:
         s, p = self.seq_len, self.max_predictions

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["MASK_PROB", "RANDOM_PROB", "KEEP_PROB", "default_max_predictions", "num_predictions",
-           "word_ids_from_pieces", "mask_tokens", "choose_pair_positions", "replacement_kinds"]
+           "prediction_counts", "word_ids_from_pieces", "mask_tokens", "choose_pair_positions", "pair_positions",
+           "replacement_kinds", "counter_hash", "counter_uniforms", "mask_pairs"]
 
 # BERT paper §3.1: of the chosen tokens 80% become [MASK], 10% a random token, 10% stay unchanged.
 MASK_PROB = 0.8
@@ -26,6 +27,13 @@ def num_predictions(eligible: int, masked_lm_prob: float, max_predictions: int) 
     if eligible <= 0:
         return 0
     return min(max_predictions, max(1, int(round(eligible * masked_lm_prob))), eligible)
+
+
+def prediction_counts(eligible: np.ndarray, masked_lm_prob: float, max_predictions: int) -> np.ndarray:
+    """``num_predictions`` for many samples at once -> int64 counts (np.rint rounds half to even, as ``round``)."""
+    eligible = np.asarray(eligible, dtype=np.int64)
+    counts = np.minimum(np.minimum(max_predictions, np.maximum(1, np.rint(eligible * masked_lm_prob))), eligible)
+    return counts.astype(np.int64)
 
 
 def word_ids_from_pieces(ids: np.ndarray, is_continuation: np.ndarray) -> np.ndarray:
@@ -100,33 +108,113 @@ def choose_pair_positions(len_a: np.ndarray, len_b: np.ndarray, rng: np.random.G
 
     -> (counts (n,), positions (n, max count) int64: each row's chosen positions ascending, padded with -1). Each
     row gets ``num_predictions(len A + len B)`` positions drawn uniformly without replacement from A and B (never
-    [CLS]/[SEP]), by a partial Fisher-Yates shuffle run across all rows together."""
-    eligible = np.asarray(len_a, dtype=np.int64) + np.asarray(len_b, dtype=np.int64)
-    n = eligible.shape[0]
-    counts = np.minimum(np.minimum(max_predictions, np.maximum(1, np.rint(eligible * masked_lm_prob))), eligible)
-    counts = counts.astype(np.int64)
+    [CLS]/[SEP]); the uniforms are one ``rng.random((n, max count))`` draw, see :func:`pair_positions`."""
+    counts = prediction_counts(np.asarray(len_a, dtype=np.int64) + np.asarray(len_b, dtype=np.int64),
+                               masked_lm_prob, max_predictions)
+    n = counts.shape[0]
     k = int(counts.max()) if n else 0
     if k == 0:
         return counts, np.full((n, 0), -1, dtype=np.int64)
-    perm = np.tile(np.arange(int(eligible.max()), dtype=np.int32), (n, 1))
-    rows = np.arange(n)
-    u = rng.random((n, k))
-    for j in range(k):
-        # row i swaps slot j with a uniform slot in [j, eligible_i) while it still needs positions
-        r = np.where(counts > j, j + (u[:, j] * (eligible - j)).astype(np.int64), j)
-        pj = perm[:, j].copy()
-        perm[:, j] = perm[rows, r]
-        perm[rows, r] = pj
-    chosen = perm[:, :k].astype(np.int64)
+    return counts, pair_positions(len_a, len_b, counts, rng.random((n, k)))
+
+
+def pair_positions(len_a: np.ndarray, len_b: np.ndarray, counts: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Choose ``counts[i]`` of the ``len_a[i] + len_b[i]`` A and B positions of ``[CLS] A [SEP] B [SEP]`` row ``i``,
+    uniformly without replacement, by a partial Fisher-Yates shuffle run across all rows together.
+
+    ``u`` (n, k), counts.max() <= k <= max(len_a + len_b): uniforms in [0, 1); row i reads only ``u[i, :counts[i]]``,
+    so a row's choice never depends on the other rows. -> (n, k) int64: each row's positions ascending, -1 padded."""
+    len_a = np.asarray(len_a, dtype=np.int64)
+    eligible = len_a + np.asarray(len_b, dtype=np.int64)
+    n, k = u.shape
+    width = int(eligible.max()) if n else 0
+    steps = int(counts.max()) if n else 0
+    # Step j: row i swaps slot j with a uniform slot r in [j, eligible_i) while it still needs positions (else r = j).
+    j = np.arange(steps)
+    r = np.where(counts[:, None] > j, j + (u[:, :steps] * (eligible[:, None] - j)).astype(np.int64), j)
+    # As flat indices into perm: one gather + scatter per step swaps the pair in every row (rows never share a slot;
+    # r = j swaps a slot with itself).
+    base = np.arange(n, dtype=np.int64)[:, None] * width
+    swap_to = np.ascontiguousarray(np.concatenate([base + j, base + r], axis=0).T)  # (steps, 2n)
+    swap_from = np.ascontiguousarray(np.concatenate([base + r, base + j], axis=0).T)
+    perm = np.tile(np.arange(width, dtype=np.int32), n)
+    for step in range(steps):
+        perm[swap_to[step]] = perm[swap_from[step]]
+    chosen = perm.reshape(n, width)[:, :k].astype(np.int64)
     valid = np.arange(k) < counts[:, None]
     big = np.iinfo(np.int64).max
     chosen = np.sort(np.where(valid, chosen, big), axis=1)
     # candidate c -> position: A is at 1..len_a, the middle [SEP] at len_a + 1, B after it
-    positions = chosen + 1 + (chosen >= np.asarray(len_a, dtype=np.int64)[:, None])
-    return counts, np.where(valid, positions, -1)
+    positions = chosen + 1 + (chosen >= len_a[:, None])
+    return np.where(valid, positions, -1)
 
 
 def replacement_kinds(shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """BERT's 80/10/10 for chosen positions -> (to_mask, to_random) boolean arrays; the rest stay unchanged."""
     u = rng.random(shape)
     return u < MASK_PROB, u >= MASK_PROB + KEEP_PROB
+
+
+# ---- counter-based randomness (dynamic masking in the loader) -------------------------------------------------------
+# SplitMix64 (Steele, Lea & Flood 2014; Vigna's splitmix64.c): output c of the stream keyed by k is
+# mix(k + (c + 1) * GOLDEN). Every value is a pure function of (key, counter), so a sample's mask can be computed
+# for any batch of samples at once and never depends on which batch, rank or worker the sample lands in.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_STREAMS = 3  # per prediction slot j: counter 3j chooses, 3j + 1 picks [MASK]/random/keep, 3j + 2 the random token
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def counter_hash(*words: int | np.ndarray) -> np.ndarray:
+    """A 64-bit key from integers (scalars or arrays, broadcast; taken modulo 2**64): h = mix(h ^ w + GOLDEN) per word,
+    starting from 0. ``counter_hash(seed, epoch, sample_ids)`` is one key per sample."""
+    h = np.zeros((), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for w in words:
+            w = np.uint64(w % 2**64) if isinstance(w, int) else np.asarray(w).astype(np.uint64)
+            h = _mix((h ^ w) + _GOLDEN)
+    return h
+
+
+def counter_uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """(n,) uint64 keys x (m,) counters -> (n, m) float64 uniforms in [0, 1) (53 bits), SplitMix64 output
+    ``counters`` of each key's stream."""
+    with np.errstate(over="ignore"):
+        z = _mix(keys[:, None] + (np.asarray(counters, dtype=np.uint64)[None, :] + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def mask_pairs(ids: np.ndarray, segment_a_lengths: np.ndarray, lengths: np.ndarray, keys: np.ndarray, *,
+               max_predictions: int, vocab_size: int, mask_id: int, masked_lm_prob: float = 0.15
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-token masking of a batch of ``[CLS] A [SEP] B [SEP]`` rows, each row's randomness from its own key.
+
+    ids (n, S): originals, row i valid up to ``lengths[i]``; segment_a_lengths = len(A) + 2. Row i gets exactly the
+    distribution of ``mask_tokens`` (``num_predictions`` positions uniformly without replacement from A and B, then
+    80/10/10) with its uniforms taken from :func:`counter_uniforms` of ``keys[i]`` at counters 3j, 3j + 1, 3j + 2
+    for prediction slot j, so its mask is the same whatever rows it is batched with.
+    -> (masked ids (n, S) same dtype, positions (n, k) int64 ascending, -1 padded, originals (n, k), 0 padded)."""
+    len_a = np.asarray(segment_a_lengths, dtype=np.int64) - 2
+    len_b = np.asarray(lengths, dtype=np.int64) - len_a - 3
+    counts = prediction_counts(len_a + len_b, masked_lm_prob, max_predictions)
+    n = counts.shape[0]
+    k = int(counts.max()) if n else 0
+    u = counter_uniforms(keys, np.arange(_STREAMS * k)).reshape(n, k, _STREAMS)
+    positions = pair_positions(len_a, len_b, counts, np.ascontiguousarray(u[:, :, 0]))
+    valid = positions >= 0
+    rows = np.broadcast_to(np.arange(n)[:, None], positions.shape)
+    at = np.where(valid, positions, 0)
+    original = np.where(valid, ids[rows, at], 0)
+    masked = ids.copy()
+    kind = u[:, :, 1]  # BERT paper §3.1: < 0.8 [MASK], >= 0.9 random, else unchanged (as mask_tokens' _apply)
+    to_mask, to_random = valid & (kind < MASK_PROB), valid & (kind >= MASK_PROB + KEEP_PROB)
+    masked[rows[to_mask], at[to_mask]] = mask_id
+    # floor(u * vocab): a uniform token id up to a bias of vocab_size / 2**53
+    tokens = (u[:, :, 2] * vocab_size).astype(np.int64)
+    masked[rows[to_random], at[to_random]] = tokens[to_random]
+    return masked, positions, original

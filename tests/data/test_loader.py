@@ -217,6 +217,30 @@ def test_dynamic_masking_deterministic_and_fresh_each_epoch(data):
     assert 0.77 < (at == MASK).float().mean().item() < 0.83
 
 
+def test_dynamic_mask_is_a_function_of_the_sample_alone(data):
+    """Batch of 64 on one rank, batch of 1 (64 micro steps), batches of 32 on rank 0 and rank 1 (and 2 workers): every
+    sample of the first two global batches gets the same dynamic mask."""
+    dyn = DynamicMasking(vocab_size=30522, masked_lm_prob=0.3)
+    layouts = {"1 rank x 64": _loaders(data, 1, 64, num_workers=0, dynamic_masking=dyn),
+               "1 rank x 1": _loaders(data, 1, 1, num_workers=0, dynamic_masking=dyn),
+               "2 ranks x 32": _loaders(data, 2, 32, num_workers=0, dynamic_masking=dyn),
+               "2 ranks x 32, 2 workers": _loaders(data, 2, 32, num_workers=2, dynamic_masking=dyn)}
+    rows = {}
+    for name, loaders in layouts.items():
+        by_sample = rows[name] = {}
+        for loader in loaders:
+            for batch in itertools.islice(iter(loader), 2 * loader.gradient_accumulation_steps):
+                for row, gid in enumerate(sample_ids_of_batch(batch)):
+                    by_sample[int(gid)] = {k: batch[k][row] for k in BATCH_KEYS}
+    reference = rows.pop("1 rank x 64")
+    assert len(reference) == 2 * G
+    for name, by_sample in rows.items():
+        assert by_sample.keys() == reference.keys(), name
+        for gid, fields in by_sample.items():
+            for k in BATCH_KEYS:
+                assert torch.equal(fields[k], reference[gid][k]), (name, gid, k)
+
+
 def test_dynamic_max_predictions_default(data):
     assert DynamicMasking(vocab_size=30522).resolved_max_predictions(128) == 20
     assert DynamicMasking(vocab_size=30522).resolved_max_predictions(512) == 80

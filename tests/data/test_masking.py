@@ -156,3 +156,45 @@ def test_shard_records_are_what_encode_sample_writes(shards_128, shard_reader):
     with tarfile.open(shards_128 / index.shards[0].name) as tar:
         for member in tar:
             assert tar.extractfile(member).read() == encode_sample(by_member[member.name], dtype)
+
+
+def test_mask_pairs_rows_depend_only_on_their_key():
+    from bert_ds.data.masking import counter_hash, mask_pairs
+
+    rng = np.random.default_rng(5)
+    n, seq = 300, 64
+    lengths = rng.integers(5, seq + 1, size=n)
+    seg_a = np.array([rng.integers(3, length - 1) for length in lengths])  # len(A) + 2, len(A), len(B) >= 1
+    ids = rng.integers(5, VOCAB, size=(n, seq)).astype(np.int32)
+    keys = counter_hash(1, 2, np.arange(n))
+    kw = {"max_predictions": 12, "vocab_size": VOCAB, "mask_id": MASK, "masked_lm_prob": 0.3}
+    masked, pos, orig = mask_pairs(ids, seg_a, lengths, keys, **kw)
+    for i in range(n):  # alone, or in a batch with other rows (and a different padding width): the same mask
+        m1, p1, o1 = mask_pairs(ids[i:i + 1], seg_a[i:i + 1], lengths[i:i + 1], keys[i:i + 1], **kw)
+        k = p1.shape[1]
+        assert np.array_equal(masked[i], m1[0]) and np.array_equal(pos[i, :k], p1[0]) and (pos[i, k:] == -1).all()
+        assert np.array_equal(orig[i, :k], o1[0])
+        row = pos[i][pos[i] >= 0]
+        assert len(row) == num_predictions(int(lengths[i] - 3), 0.3, 12) and np.all(np.diff(row) > 0)
+        assert not set(row.tolist()) & {0, int(seg_a[i]) - 1, int(lengths[i]) - 1} and row.max() < lengths[i]
+        assert np.array_equal(orig[i, :len(row)], ids[i, row])
+        untouched = np.setdiff1d(np.arange(seq), row)
+        assert np.array_equal(masked[i, untouched], ids[i, untouched])
+    # 80/10/10 (BERT paper §3.1), and a fresh key gives a fresh mask
+    chosen = pos >= 0
+    after = np.take_along_axis(masked, np.where(chosen, pos, 0), axis=1)[chosen]
+    assert 0.77 < (after == MASK).mean() < 0.83
+    assert 0.08 < (after == orig[chosen]).mean() < 0.12
+    _, other, _ = mask_pairs(ids, seg_a, lengths, counter_hash(1, 3, np.arange(n)), **kw)
+    assert (other != pos).any(axis=1).mean() > 0.9
+
+
+def test_counter_uniforms_are_uniform():
+    from bert_ds.data.masking import counter_hash, counter_uniforms
+
+    u = counter_uniforms(counter_hash(0, 0, np.arange(20000)), np.arange(10))
+    assert u.min() >= 0.0 and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    assert np.histogram(u, bins=10, range=(0, 1))[0].min() > 0.97 * u.size / 10
+    assert abs(np.corrcoef(u[:, 0], u[:, 1])[0, 1]) < 0.03  # neighbouring counters of one key
+    assert counter_hash(2**64 + 7) == counter_hash(7)  # keys are taken modulo 2**64

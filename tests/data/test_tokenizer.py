@@ -89,3 +89,24 @@ def test_jsonl_and_directory_inputs(tmp_path):
     with pytest.raises(ValueError, match="no text"):
         (tmp_path / "empty.txt").write_text("\n\n")
         train_tokenizer([tmp_path / "empty.txt"], tmp_path / "tok2", vocab_size=200)
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_ascii_fast_path_gives_the_full_pipelines_ids(tokenizer_dir, tmp_path, lowercase):
+    """encode_batch normalizes ASCII text in Python and skips BertNormalizer: ids must equal the full pipeline's."""
+    import random
+
+    shutil.copy(tokenizer_dir / "vocab.txt", tmp_path / "vocab.txt")
+    (tmp_path / "tokenizer_meta.json").write_text(json.dumps({"lowercase": lowercase}))
+    tok = load_tokenizer(tmp_path)
+    rng = random.Random(0)
+    chars = [chr(c) for c in range(128)]
+    words = ["The", "[SEP]", "[sep]", "[MASK]", "[Mask]", "[CLS]", "[UNK]", "[PAD]", "##ing", "a\x00b", "x\x7fY",
+             "tab\tbed", "UNDERSTANDABLY", "can't", "3.5%"]
+    texts = chars + HELD_OUT + ["", " ", "\x01\x02", "[SEP] Hello\x0b[MASK]\x1f end"]
+    texts += ["".join(rng.choice(chars) for _ in range(rng.randint(0, 30))) for _ in range(2000)]
+    texts += [" ".join(rng.choice(words + chars) for _ in range(rng.randint(0, 10))) for _ in range(2000)]
+    expected = [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    flat, offsets = tok.encode_batch(texts, batch_size=997)
+    assert [flat[offsets[i]:offsets[i + 1]].tolist() for i in range(len(texts))] == expected
+    assert [tok.encode(t) for t in texts[:300]] == expected[:300]
