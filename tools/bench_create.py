@@ -10,7 +10,7 @@ sentence tokenized on its own (fast tokenizer, one call per line), the whole cor
 instances built with list operations and masked with a pure-Python loop, everything shuffled in memory, then written
 in the same shard format. The corpus is the test suite's English corpus (license texts + Python docstrings,
 ``tests/conftest.py``), repeated ``--copies`` times; a larger corpus should not raise peak memory, since work is done
-one chunk (one shard) at a time.
+one chunk (its dupe_factor shards) at a time.
 """
 
 from __future__ import annotations

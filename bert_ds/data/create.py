@@ -1,23 +1,29 @@
 """Shard creation: raw text -> tokenized documents -> NSP pairs -> static masking -> tar shards + ``index.json``.
 
 Determinism and memory. The input is read as a stream of documents and cut into *chunks* of consecutive documents
-(about one shard's worth of input bytes, at document boundaries; the cut depends only on the inputs, ``seq_len``,
-``dupe_factor`` and ``samples_per_shard``). A chunk is the unit of work: it is tokenized once, paired
-``dupe_factor`` times (random B documents come from the same chunk) with RNGs seeded from ``(seed, chunk, dupe)``,
-masked, shuffled, and written as one shard ``shard-<chunk>.tar`` whose sample keys are ``<chunk:06d><sample:06d>``
-(unique in the set). Workers (``multiprocessing``) and MPI ranks (``mpi4py`` under ``mpirun``; chunk c goes to rank
-c mod size; every rank reads the input stream, only to find the cuts) only decide *who* processes a chunk, so every
-shard's bytes are the same for any number of workers or ranks, and a process holds a few chunks at a time, never the
-corpus. Rank 0 gathers the ``ShardInfo`` and writes ``index.json`` last and atomically; a failed run removes its
+(about one shard's worth of input bytes, at document boundaries; the cut depends only on the inputs, ``seq_len`` and
+``samples_per_shard``). A chunk is the unit of work: it is tokenized once, then paired ``dupe_factor`` times (random B
+documents come from the same chunk) with RNGs seeded from ``(seed, chunk, dupe)``, and each duplicate is masked,
+shuffled and written as *its own* shard, number ``chunk * dupe_factor + dupe`` (``shard-NNNNNN.tar``), whose sample
+keys are ``<shard:06d><sample:06d>`` (unique in the set). One shard per duplicate because the loader permutes samples
+only within a window of a few shards after shuffling the shard order each epoch: copies of a text kept in one shard
+would all land in one window, and with large batches in one step; in separate shards the shard-order shuffle spreads
+them apart. Workers (``multiprocessing``) and MPI ranks (``mpi4py`` under ``mpirun``; chunk c goes to rank c mod size;
+every rank reads the input stream, only to find the cuts) only decide *who* processes a chunk, so every shard's bytes
+and ``index.json`` are the same for any number of workers or ranks, and a process holds a few chunks at a time, never
+the corpus. Rank 0 gathers the ``ShardInfo`` and writes ``index.json`` last and atomically; a failed run removes its
 shards and leaves no index.
 
 Bad input (each a ``ValueError``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
-inputs; fewer than two usable documents; invalid UTF-8 (file, line, byte offset); a JSON line without a string
+inputs; no chunk with two usable documents; invalid UTF-8 (file, line, byte offset); a JSON line without a string
 ``text``; a tokenizer directory without ``vocab.txt``; a ``seq_len`` below 5 (``[CLS] A [SEP] B [SEP]`` with one
 token each) or above 65535; an output directory that already holds a shard set, the same or a different one (pass
 ``overwrite=True`` / ``--overwrite``; leftovers of an unfinished run, shards without an index, are simply replaced).
-Counted skips, in ``index.json`` ``extra.skipped``: documents with fewer than two sentences (see ``pairs``) and
-sentences that tokenize to nothing.
+Counted skips, in ``index.json`` ``extra.skipped``: documents with fewer than two sentences (see ``pairs``),
+sentences that tokenize to nothing, and chunks left with fewer than two such documents, which cannot draw a NotNext B
+from another document (``unpaired_chunks``, and their lone usable documents ``unpaired_documents``; JSON-lines texts
+are split into sentences only in the worker, so the cut may count a one-sentence text as usable). Only inputs from
+which no chunk can pair are an error.
 """
 
 from __future__ import annotations
@@ -51,14 +57,14 @@ from bert_ds.data.pairs import Pair, create_pairs, pair_input_ids, tokenize_docu
 from bert_ds.data.text import RawDocument, input_files, iter_documents, sentence_splitter_name, split_sentences
 from bert_ds.data.tokenizer import WordPieceTokenizer, load_tokenizer
 
-__all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "main"]
+__all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "shard_index", "main"]
 
 # Rough English WordPiece density and fill rate, used only to size chunks so that a shard holds about
 # samples_per_shard samples (30k uncased vocab: ~4.3 bytes of text per token; pairs fill ~80% of seq_len on average).
 _BYTES_PER_TOKEN = 4.3
 _TOKENS_PER_SAMPLE_FILL = 0.8
 _MIN_CHUNK_DOCUMENTS = 2  # random B needs another document in the chunk
-_MAX_KEY = 10**6  # sample keys are <chunk:06d><sample:06d>
+_MAX_KEY = 10**6  # sample keys are <shard:06d><sample:06d>
 _PAIRING, _MASKING, _SHUFFLE = 0, 1, 2  # RNG stream ids
 
 
@@ -80,7 +86,8 @@ class CreateParams:
 @dataclass
 class ChunkResult:
     index: int
-    shard: ShardInfo | None
+    shards: list[ShardInfo]
+    """One per duplicate, in duplicate order; empty for a chunk that could not pair."""
     counts: dict = field(default_factory=dict)
 
 
@@ -178,53 +185,67 @@ def _encode_batch(ids: np.ndarray, pairs: list[Pair], rng: np.random.Generator, 
             for i, (la_i, label) in enumerate(zip(la.tolist(), labels.tolist(), strict=True))]
 
 
+def shard_index(chunk: int, dupe: int, dupe_factor: int) -> int:
+    """The shard holding duplicate ``dupe`` of chunk ``chunk``: each copy in its own shard (module docstring)."""
+    return chunk * dupe_factor + dupe
+
+
 def process_chunk(index: int, documents: list[RawDocument], params: CreateParams) -> ChunkResult:
-    """Tokenize, pair (``dupe_factor`` times), mask, shuffle and write one chunk as ``shard_name(index)``."""
+    """Tokenize a chunk, then pair, mask, shuffle and write each of its ``dupe_factor`` copies as its own shard,
+    ``shard_name(shard_index(index, dupe, dupe_factor))``. A chunk with fewer than two usable documents cannot draw a
+    NotNext B from another document: it writes nothing and is counted (``unpaired_chunks``/``_documents``)."""
     tok = _tokenizer(params.tokenizer_dir)
     sentences = [split_sentences(d) if isinstance(d, str) else d for d in documents]
     docs = tokenize_documents(sentences, tok)
     counts = {"documents": docs.num_documents, "sentences": int(docs.sentence_offsets.shape[0] - 1),
               "tokens": int(docs.ids.shape[0]), "skipped_short_documents": docs.skipped_short_documents,
-              "skipped_empty_sentences": docs.skipped_empty_sentences, "samples": 0, "not_next": 0}
-    if docs.num_documents == 0:
-        return ChunkResult(index, None, counts)
+              "skipped_empty_sentences": docs.skipped_empty_sentences, "skipped_unpaired_chunks": 0,
+              "skipped_unpaired_documents": 0, "samples": 0, "not_next": 0}
     if docs.num_documents < 2:
-        raise ValueError(f"chunk {index}: only one document with two or more sentences, so no NotNext pair can be "
-                         f"drawn from another document; the inputs need more multi-sentence documents")
+        # iter_chunks counts a JSON-lines text as usable before it is split, so a chunk can end up here with one
+        # multi-sentence document (or none); losing it beats failing a long run over it.
+        counts.update(documents=0, sentences=0, tokens=0, skipped_unpaired_chunks=int(docs.num_documents > 0),
+                      skipped_unpaired_documents=docs.num_documents)
+        return ChunkResult(index, [], counts)
     dtype = id_dtype_for_vocab(tok.vocab_size)
     ids = docs.ids.astype(dtype)
     cls_id, sep_id, mask_id, vocab_size = tok.cls_id, tok.sep_id, tok.mask_id, tok.vocab_size
     continuation = tok.continuation_table() if params.whole_word_mask else None
-    payloads: list[bytes] = []
+    shards: list[ShardInfo] = []
     for dupe in range(params.dupe_factor):
+        shard = shard_index(index, dupe, params.dupe_factor)
+        if shard >= _MAX_KEY:
+            raise ValueError(f"chunk {index}, duplicate {dupe} needs shard {shard}, more than sample keys allow "
+                             f"({_MAX_KEY} shards); raise samples_per_shard")
         py_rng = random.Random(int.from_bytes(_rng_seed(params.seed, index, dupe, _PAIRING).generate_state(4)
                                               .tobytes(), "little"))
         np_rng = np.random.default_rng(_rng_seed(params.seed, index, dupe, _MASKING))
         pairs = create_pairs(docs, py_rng, seq_len=params.seq_len, short_seq_prob=params.short_seq_prob)
         counts["not_next"] += sum(p.nsp_label for p in pairs)
         if continuation is None:
-            payloads += _encode_batch(ids, pairs, np_rng, params, cls_id=cls_id, sep_id=sep_id, mask_id=mask_id,
-                                      vocab_size=vocab_size)
-            continue
-        for pair in pairs:  # whole-word masking: one sample at a time through mask_tokens
-            input_ids, seg_a = pair_input_ids(ids, pair, cls_id=cls_id, sep_id=sep_id, dtype=dtype)
-            candidates = np.ones(input_ids.shape[0], dtype=bool)
-            candidates[[0, seg_a - 1, -1]] = False
-            word_ids = word_ids_from_pieces(input_ids, continuation)
-            masked, positions, original = mask_tokens(
-                input_ids, np_rng, candidates=candidates, max_predictions=params.max_predictions,
-                vocab_size=vocab_size, mask_id=mask_id, masked_lm_prob=params.masked_lm_prob, word_ids=word_ids)
-            payloads.append(encode_sample(Sample(masked, seg_a, positions, original, pair.nsp_label), dtype))
-    if len(payloads) >= _MAX_KEY:
-        raise ValueError(f"chunk {index} produced {len(payloads)} samples, more than sample keys allow ({_MAX_KEY}); "
-                         f"lower samples_per_shard")
-    order = np.random.default_rng(_rng_seed(params.seed, index, 0, _SHUFFLE)).permutation(len(payloads))
-    counts["samples"] = len(payloads)
-    with ShardWriter(Path(params.out_dir) / shard_name(index)) as writer:
-        for local, k in enumerate(order.tolist()):
-            writer.write(f"{index:06d}{local:06d}.{MEMBER_SUFFIX}", payloads[k])
-        info = writer.close()
-    return ChunkResult(index, info, counts)
+            payloads = _encode_batch(ids, pairs, np_rng, params, cls_id=cls_id, sep_id=sep_id, mask_id=mask_id,
+                                     vocab_size=vocab_size)
+        else:
+            payloads = []
+            for pair in pairs:  # whole-word masking: one sample at a time through mask_tokens
+                input_ids, seg_a = pair_input_ids(ids, pair, cls_id=cls_id, sep_id=sep_id, dtype=dtype)
+                candidates = np.ones(input_ids.shape[0], dtype=bool)
+                candidates[[0, seg_a - 1, -1]] = False
+                word_ids = word_ids_from_pieces(input_ids, continuation)
+                masked, positions, original = mask_tokens(
+                    input_ids, np_rng, candidates=candidates, max_predictions=params.max_predictions,
+                    vocab_size=vocab_size, mask_id=mask_id, masked_lm_prob=params.masked_lm_prob, word_ids=word_ids)
+                payloads.append(encode_sample(Sample(masked, seg_a, positions, original, pair.nsp_label), dtype))
+        if len(payloads) >= _MAX_KEY:
+            raise ValueError(f"chunk {index} produced {len(payloads)} samples in one copy, more than sample keys "
+                             f"allow ({_MAX_KEY}); lower samples_per_shard")
+        order = np.random.default_rng(_rng_seed(params.seed, index, dupe, _SHUFFLE)).permutation(len(payloads))
+        counts["samples"] += len(payloads)
+        with ShardWriter(Path(params.out_dir) / shard_name(shard)) as writer:
+            for local, k in enumerate(order.tolist()):
+                writer.write(f"{shard:06d}{local:06d}.{MEMBER_SUFFIX}", payloads[k])
+            shards.append(writer.close())
+    return ChunkResult(index, shards, counts)
 
 
 def _init_worker() -> None:
@@ -274,7 +295,8 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
     if workers == 1:
         for index, docs, nbytes in iter_chunks(files, chunk_bytes):
             if index % size == rank:
-                written.append(Path(params.out_dir) / shard_name(index))
+                written.extend(Path(params.out_dir) / shard_name(shard_index(index, d, params.dupe_factor))
+                               for d in range(params.dupe_factor))
                 done(process_chunk(index, docs, params))
             progress.update(nbytes)
         return results
@@ -283,7 +305,8 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
         in_flight: deque = deque()
         for index, docs, nbytes in iter_chunks(files, chunk_bytes):
             if index % size == rank:
-                written.append(Path(params.out_dir) / shard_name(index))
+                written.extend(Path(params.out_dir) / shard_name(shard_index(index, d, params.dupe_factor))
+                               for d in range(params.dupe_factor))
                 in_flight.append((pool.apply_async(process_chunk, (index, docs, params)), nbytes))
             else:
                 progress.update(nbytes)
@@ -328,7 +351,8 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
     out = Path(out_dir)
     params = CreateParams(str(Path(tokenizer_dir)), str(out), seq_len, max_predictions, dupe_factor, short_seq_prob,
                           masked_lm_prob, whole_word_mask, seed)
-    chunk_bytes = max(1, round(samples_per_shard * _TOKENS_PER_SAMPLE_FILL * seq_len * _BYTES_PER_TOKEN / dupe_factor))
+    # A chunk makes dupe_factor shards, each one pass over the chunk: size it for one shard's samples.
+    chunk_bytes = max(1, round(samples_per_shard * _TOKENS_PER_SAMPLE_FILL * seq_len * _BYTES_PER_TOKEN))
 
     comm = _mpi_comm()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
@@ -374,8 +398,13 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
         raise ValueError(f"no documents in the inputs ({', '.join(str(f) for f in files[:5])}"
                          f"{', ...' if len(files) > 5 else ''}): empty or blank files")
     counts = {k: sum(r.counts[k] for r in all_results) for k in all_results[0].counts}
-    shards = [r.shard for r in all_results if r.shard is not None]
+    shards = [s for r in all_results for s in r.shards]
     if not shards:
+        if counts["skipped_unpaired_documents"]:
+            n = counts["skipped_unpaired_documents"]
+            raise ValueError(f"no NotNext pair can be drawn: every chunk of the inputs holds at most one document with "
+                             f"two or more sentences ({n} such document(s) in all), and a random B must come from "
+                             f"another document; the inputs need more multi-sentence documents")
         raise ValueError(f"no usable documents in the inputs: all {counts['skipped_short_documents']} documents have "
                          f"fewer than two sentences (BERT layout: one sentence per line, blank line between documents)")
     index = ShardIndex(
@@ -391,7 +420,9 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
                "sentence_splitter": sentence_splitter_name(), "chunk_bytes": chunk_bytes,
                "counts": {k: counts[k] for k in ("documents", "sentences", "tokens", "samples", "not_next")},
                "skipped": {"short_documents": counts["skipped_short_documents"],
-                           "empty_sentences": counts["skipped_empty_sentences"]}},
+                           "empty_sentences": counts["skipped_empty_sentences"],
+                           "unpaired_chunks": counts["skipped_unpaired_chunks"],
+                           "unpaired_documents": counts["skipped_unpaired_documents"]}},
     )
     if rank == 0:
         index.write(out)

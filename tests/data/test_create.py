@@ -1,5 +1,5 @@
 
-"""Shard creation end to end: index.json, determinism over workers and MPI ranks, bad input."""
+"""Shard creation end to end: index.json, bad input (determinism: ``test_create_parallel``)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bert_ds.data.create import create_shards, main
-from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardWriter, file_sha256, vocab_sha256
+from bert_ds.data.create import create_shards, iter_chunks, main
+from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardWriter, file_sha256, shard_name, vocab_sha256
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _hashes(directory: Path) -> dict[str, str]:
-    return {p.name: file_sha256(p) for p in sorted(directory.glob("shard-*.tar"))}
 
 
 def test_index_describes_the_shards(shards_128, tokenizer_dir, shard_reader):
@@ -104,6 +100,44 @@ def test_single_document_cannot_make_not_next(tokenizer_dir, tmp_path):
     src = _make(tmp_path, "one_doc.txt", "First sentence.\nSecond sentence.\nThird one.\n")
     with pytest.raises(ValueError, match="one document"):
         create_shards([src], tokenizer_dir, tmp_path / "out", seq_len=128, progress=False)
+    _no_output(tmp_path / "out")
+
+
+def _multi(i: int) -> str:
+    return (f"Document {i} opens with a sentence about the license. It goes on with a second sentence on the terms. "
+            f"A third sentence names the copyright holder and the year. A fourth sentence says that the software is "
+            f"provided as is, without any warranty. The last one ends document {i}.")
+
+
+def _single(i: int) -> str:
+    return f"one long sentence without an end in sight number {i} " * 5 + "that stops here."
+
+
+def test_chunk_with_one_usable_document_is_skipped_and_counted(tokenizer_dir, tmp_path, shard_reader):
+    """JSON-lines texts count as usable before they are split into sentences, so a chunk can hold one multi-sentence
+    document and no partner for a NotNext B: that chunk is skipped and counted, the run goes on."""
+    # samples_per_shard=1 makes chunks of ~440 bytes: two ~300-byte texts each. Chunks: MM | MS | SS | MM
+    texts = [_multi(0), _multi(1), _multi(2), _single(3), _single(4), _single(5), _multi(6), _multi(7)]
+    src = _make(tmp_path, "mostly.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    chunks = [docs for _, docs, _ in iter_chunks([src], 440)]
+    assert chunks == [texts[0:2], texts[2:4], texts[4:6], texts[6:8]]  # the cut this test relies on
+    out = tmp_path / "out"
+    index = create_shards([src], tokenizer_dir, out, seq_len=128, dupe_factor=2, samples_per_shard=1, progress=False)
+    assert index.extra["chunk_bytes"] == 440
+    assert index.extra["skipped"] == {"short_documents": 3, "empty_sentences": 0, "unpaired_chunks": 1,
+                                      "unpaired_documents": 1}
+    assert [s.name for s in index.shards] == [shard_name(i) for i in (0, 1, 6, 7)]  # chunks 0 and 3, two copies
+    assert index.extra["counts"]["documents"] == 4
+    assert sorted(p.name for p in out.glob("shard-*")) == [s.name for s in index.shards]
+    assert len(shard_reader(out)) == index.total_samples > 0
+
+
+def test_no_chunk_can_pair(tokenizer_dir, tmp_path):
+    texts = [_multi(0), _single(1), _single(2), _multi(3)]  # chunks M S | S M: one usable document each
+    src = _make(tmp_path, "lonely.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    with pytest.raises(ValueError, match=r"no NotNext pair can be drawn: every chunk .* at most one document .* "
+                                         r"\(2 such document"):
+        create_shards([src], tokenizer_dir, tmp_path / "out", seq_len=128, samples_per_shard=1, progress=False)
     _no_output(tmp_path / "out")
 
 
