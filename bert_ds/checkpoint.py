@@ -114,18 +114,30 @@ def load_rng_state(path: Path) -> None:
 def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep_last_k: int) -> Path:
     """Save on every rank; ``latest`` moves to ``tag`` only after all ranks finished writing.
 
-    DeepSpeed writes its files with ``save_latest=False``; each rank adds its RNG state; after a barrier rank 0
-    writes ``run_state.json`` and then ``latest`` (temp file + rename), so a crash at any point leaves ``latest``
-    naming a complete checkpoint. Older tags beyond ``keep_last_k`` are pruned afterwards.
+    DeepSpeed writes its files into a fresh ``<tag>.tmp`` directory with ``save_latest=False`` (a tag directory left
+    by an earlier, possibly larger, run would otherwise keep its extra ``zero_pp_rank_*`` files and break
+    consolidation); each rank adds its RNG state; after a barrier rank 0 writes ``run_state.json``, renames the
+    directory to ``tag`` (replacing an older one) and then writes ``latest`` (temp file + rename), so a crash at any
+    point leaves ``latest`` naming a complete checkpoint. Older tags beyond ``keep_last_k`` are pruned afterwards.
     """
     ckpt = checkpoint_dir(run_dir)
     rank = dist.get_rank()
-    engine.save_checkpoint(str(ckpt), tag=tag, client_state={"bert_ds": run_state}, save_latest=False)
-    save_rng_state(ckpt / tag / f"rng_rank{rank:05d}.pt")
+    tmp_tag = f"{tag}.tmp"  # parse_tag ignores it, so a half-written one is never listed or resumed
+    if rank == 0:
+        shutil.rmtree(ckpt / tmp_tag, ignore_errors=True)
+    dist.barrier()
+    engine.save_checkpoint(str(ckpt), tag=tmp_tag, client_state={"bert_ds": run_state}, save_latest=False)
+    save_rng_state(ckpt / tmp_tag / f"rng_rank{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
-        _atomic_write(ckpt / tag / RUN_STATE_NAME, json.dumps(run_state, indent=1) + "\n")
+        _atomic_write(ckpt / tmp_tag / RUN_STATE_NAME, json.dumps(run_state, indent=1) + "\n")
+        old = ckpt / f".{tag}.old"
+        if (ckpt / tag).exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(ckpt / tag, old)
+        os.replace(ckpt / tmp_tag, ckpt / tag)
         _atomic_write(ckpt / "latest", tag)
+        shutil.rmtree(old, ignore_errors=True)
         prune_checkpoints(ckpt, keep_last_k)
     dist.barrier()
     return ckpt / tag

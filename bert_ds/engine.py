@@ -20,7 +20,8 @@ from bert_ds.model import BertForPreTraining
 from bert_ds.optim import bind_optimizer, build_optimizer, warmup_poly_decay
 from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
 
-__all__ = ["TrainEngine", "build_engine", "build_model", "deepspeed_config", "resolve_precision"]
+__all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
+           "resolve_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,17 @@ def resolve_precision(requested: str, device_type: str) -> str:
             log.warning("precision %s requested on CPU: training in fp32 instead", requested)
         return "fp32"
     return "bf16" if requested == "auto" else requested
+
+
+def check_optimizer_support(recipe: Recipe, precision: str) -> None:
+    """Refuse, before any compute, the combinations :func:`bert_ds.optim.bind_optimizer` cannot bind: without ZeRO,
+    DeepSpeed wraps a half-precision client optimizer in FP16_Optimizer/BF16_Optimizer, whose flat layout
+    ZeroAwareLamb does not know. ``precision`` is the resolved one (see :func:`resolve_precision`)."""
+    ds = recipe.deepspeed
+    if recipe.optimizer.name == "lamb" and ds.zero_stage == 0 and precision in ("bf16", "fp16"):
+        raise ValueError(f"optimizer.name='lamb' with deepspeed.zero_stage=0 and deepspeed.precision="
+                         f"{ds.precision!r} (resolved to {precision}) is not supported: ZeroAwareLamb runs without "
+                         f"ZeRO in fp32 only; set deepspeed.zero_stage to 1 or 2, or deepspeed.precision to 'fp32'")
 
 
 def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precision: str,
@@ -69,7 +81,11 @@ def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precis
 def build_model(recipe: Recipe, model_config: BertConfig, init_from_hf: str | None = None,
                 state_dict: dict | None = None) -> BertForPreTraining:
     """The single-device model, initialised from the recipe seed (identical on every rank), a Hugging Face
-    directory, or a state dict (phase hand-off, re-partitioned resume)."""
+    directory, or a state dict (phase hand-off, re-partitioned resume).
+
+    With ``recipe.nsp`` false the pooler and the NSP head are frozen: they get no gradient, and under ZeRO 1/2
+    DeepSpeed would hand LAMB zero gradients for them, so weight decay alone (u = wd * w, trust ratio 1 / wd) would
+    shrink them by a factor (1 - lr) every step."""
     torch.manual_seed(recipe.seed)
     act_ckpt = recipe.deepspeed.activation_checkpointing
     if init_from_hf is not None:
@@ -88,6 +104,9 @@ def build_model(recipe: Recipe, model_config: BertConfig, init_from_hf: str | No
         missing = [k for k in missing if k != "cls.predictions.decoder.weight"]
         if missing or unexpected:
             raise ValueError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if not recipe.nsp:
+        model.bert.pooler.requires_grad_(False)
+        model.cls.seq_relationship.requires_grad_(False)
     return model
 
 
@@ -114,6 +133,7 @@ def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, wo
     phase = recipe.phases[phase_index]
     where = f"phases[{phase_index}]"
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
+    check_optimizer_support(recipe, precision)
     ds_config = deepspeed_config(recipe, phase, world_size, precision, where)
     opt = recipe.optimizer
     lamb_kw = {}

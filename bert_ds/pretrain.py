@@ -1,7 +1,7 @@
 """BERT pre-training: the phase loop, checkpoint/resume, pre-emption, logging.
 
     deepspeed [--num_gpus N] bert_ds/pretrain.py --recipe ds_configs/bert_large.json --data DIR128 DIR512 \\
-        --output RUN_DIR [--resume auto] [--phase 1|2|all] [--max-steps N] [--tokenizer DIR] [--eval-data DIR ...]
+        --tokenizer DIR --output RUN_DIR [--resume auto] [--phase 1|2|all] [--max-steps N] [--eval-data DIR ...]
     python -m bert_ds.pretrain ...      (one process, no launcher: a 1-rank gloo/nccl group is set up here)
 
 Phase hand-off. Phase 2 starts from phase 1's final weights *and* its optimizer moments (LAMB's ``exp_avg`` and
@@ -9,13 +9,15 @@ Phase hand-off. Phase 2 starts from phase 1's final weights *and* its optimizer 
 DeepLearningExamples does (``run_pretraining.py --phase2`` without ``--resume_phase2`` loads phase 1's optimizer state
 dict but zeroes each group's ``step`` and resets the lr, and starts a new ``PolyWarmUpScheduler``; the fp16 grad
 scaler starts fresh). Carrying the moments keeps the per-parameter gradient statistics of 7,038 steps instead of
-re-estimating them from noise at the start of the short phase 2; resetting the step restarts bias correction, which,
-with a carried ``exp_avg_sq``, damps the first updates while phase 2 warms up. The hand-off is the same code in
+re-estimating them from noise at the start of the short phase 2; resetting the step restarts bias correction, which
+rescales the carried moments but does not damp the first updates: LAMB's unclamped trust ratio makes every update's
+norm lr * ||w|| per tensor, so phase 2's warm-up alone sets their size. The hand-off is the same code in
 one invocation (``--phase all``) and when resuming exactly at the boundary, so both give identical results.
 
 Exit codes: 0 done (or ``--max-steps`` reached), 2 bad input (recipe, data, resume mismatch; nothing computed),
-3 non-finite loss (bf16/fp32: the last good checkpoint is kept), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the
-next step boundary; resubmit with ``--resume auto``).
+3 non-finite loss or weights (the last good checkpoint is kept; fp16 steps the loss scaler skipped leave the weights
+unchanged and are not counted), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the next step boundary, even the last
+step of a phase; resubmit with ``--resume auto``).
 """
 
 from __future__ import annotations
@@ -80,7 +82,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop (with a checkpoint) once the run has done N optimizer steps in total, counting every "
                         "phase's steps from the start of the run")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir; copied beside the checkpoints for the exporter")
+    p.add_argument("--tokenizer", required=True,
+                   help="tokenizer dir (vocab.txt) the shards were made with: checked against every shard set's "
+                        "index.json, gives dynamic masking its [MASK] id, and is copied beside the checkpoints for the "
+                        "exporter")
     p.add_argument("--eval-data", nargs="+", default=None, help="eval shard dirs, one per phase (or one for all)")
     p.add_argument("--init-from-hf", default=None,
                    help="start the first selected phase from a Hugging Face BertForPreTraining dir")
@@ -144,8 +149,11 @@ class _Run:
 
     def __init__(self, args: argparse.Namespace, recipe: Recipe) -> None:
         import deepspeed.comm as dist
+        from deepspeed.accelerator import get_accelerator
 
         from bert_ds.data.index import ShardIndex
+        from bert_ds.data.tokenizer import load_tokenizer
+        from bert_ds.engine import check_optimizer_support, resolve_precision
 
         self.args, self.recipe = args, recipe
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -158,17 +166,12 @@ class _Run:
         self.data = _phase_dirs(args.data, self.phases, n, "--data")
         self.eval_data = _phase_dirs(args.eval_data, self.phases, n, "--eval-data")
 
-        # Vocabulary: the tokenizer's when given, else the first shard set's; every shard set must agree.
-        self.tokenizer = None
-        if args.tokenizer:
-            from bert_ds.data.tokenizer import load_tokenizer
-
-            self.tokenizer = load_tokenizer(args.tokenizer)
-            vocab_size, vocab_sha = self.tokenizer.vocab_size, self.tokenizer.vocab_sha256
-        else:
-            first = ShardIndex.load(self.data[self.phases[0]])
-            vocab_size, vocab_sha = first.vocab_size, first.vocab_sha256
+        # Vocabulary: the tokenizer's; every shard set (training and eval, every phase) must agree, checked below.
+        self.tokenizer = load_tokenizer(args.tokenizer)
+        vocab_size, vocab_sha = self.tokenizer.vocab_size, self.tokenizer.vocab_sha256
         self.vocab_sha256 = vocab_sha
+        # Combinations the optimizer binding refuses fail here, before any compute, naming the recipe fields.
+        check_optimizer_support(recipe, resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name()))
         self.model_config = recipe.model_config(vocab_size)
         if args.init_from_hf:  # the HF model's shape replaces the recipe's preset (dropout stays the recipe's)
             from bert_ds.export.hf import bert_config_from_hf
@@ -236,6 +239,9 @@ class _Run:
         recipe, phase, args = self.recipe, self.recipe.phases[p], self.args
         state_dict = None
         if handoff:
+            if not ckpt.read_run_state(self.ckpt_dir, tag)["phase_done"]:
+                raise ValueError(f"phase {p + 1} cannot start from {tag!r}: its run_state.json has phase_done false "
+                                 f"(phase {p} did not finish there)")
             log.info("phase %d starts from %s: weights and optimizer moments, step count 0, new schedule", p + 1, tag)
             state_dict = ckpt.consolidated_state_dict(self.ckpt_dir, tag)
         init_hf = args.init_from_hf if tag is None else None  # a fresh start of whichever phase comes first
@@ -247,15 +253,15 @@ class _Run:
             ckpt.load_optimizer_moments(engine, self.ckpt_dir, tag, saved_world)
 
         masking = None
-        if phase.dynamic_masking:
-            masking = DynamicMasking(vocab_size=self.model_config.vocab_size, max_predictions=phase.max_predictions,
-                                     mask_id=self.tokenizer.mask_id if self.tokenizer else 103)
+        if phase.dynamic_masking:  # [MASK]'s id comes from the tokenizer (4 in bert_ds vocabs, 103 in Google's)
+            masking = DynamicMasking.from_tokenizer(args.tokenizer, masked_lm_prob=phase.masked_lm_prob,
+                                                    max_predictions=phase.max_predictions)
         # Data order depends on the recipe seed and the phase only: the same for any number of ranks.
         loader = build_loader(self.data[p], global_batch_size=phase.global_batch_size,
                               micro_batch_size=phase.micro_batch_size, rank=self.rank, world_size=self.world_size,
                               seed=recipe.seed + p, num_workers=args.num_workers, expected_seq_len=phase.seq_len,
                               expected_vocab_sha256=self.vocab_sha256, max_predictions=phase.max_predictions,
-                              dynamic_masking=masking)
+                              dynamic_masking=masking, shuffle_window_shards=phase.shuffle_window_shards)
         eval_loader = None
         if p in self.eval_data:
             eval_loader = build_eval_loader(self.eval_data[p], micro_batch_size=phase.micro_batch_size,
@@ -315,7 +321,7 @@ class _Run:
             t0 = time.perf_counter()
             lr = te.current_lr()  # the lr this step uses (the scheduler advances inside engine.step)
             # Summed on the device and read once per step: one host sync per optimizer step, not per micro batch.
-            sums = torch.zeros(8, dtype=torch.float64, device=engine.device)
+            sums = torch.zeros(9, dtype=torch.float64, device=engine.device)
             for _ in range(te.accumulation):
                 batch = next(it)
                 inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in _MODEL_INPUTS}
@@ -329,27 +335,37 @@ class _Run:
                                          *(t.to(out.loss.dtype) for t in (out.mlm_correct, out.mlm_total,
                                                                          out.nsp_correct, out.nsp_total))]).double()
             sums[7] = float(self.preemption.requested)
-            dist.all_reduce(sums)  # sums over ranks (the preemption flag too: every rank stops at the same step)
+            # The loss above was computed before this step's update; only the updated weights show an update that
+            # overflowed. One pass over the parameters, reduced with the rest: no extra host sync.
+            sums[8] = (~torch.stack([q.detach().isfinite().all() for q in engine.module.parameters()]).all()).double()
+            dist.all_reduce(sums)  # sums over ranks (the flags too: every rank decides the same at the same step)
             sums = sums.cpu()
             step += 1
             consumed += phase.global_batch_size
             n_micro = te.accumulation * self.world_size
             loss = sums[0].item() / n_micro
-            if not math.isfinite(loss):
-                nonfinite += 1
-                if te.precision != "fp16":
-                    if nonfinite >= recipe.logging.max_nonfinite_steps:
-                        raise NonFiniteLossError(
-                            f"loss is non-finite ({loss}) for {nonfinite} consecutive steps at phase {p + 1} step "
-                            f"{step} (logging.max_nonfinite_steps={recipe.logging.max_nonfinite_steps}); last good "
-                            f"checkpoint: {last_good or 'none'} in {self.ckpt_dir}. Lower phases[{p}].lr or check the "
-                            f"data; resume with --resume auto.")
-                    log.warning("non-finite loss at phase %d step %d (%d in a row)", p + 1, step, nonfinite)
-                elif self.rank == 0:
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            applied = engine.was_step_applied()
+            weights_finite = sums[8].item() == 0
+            step_finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+            # Weights worth saving: finite, and either made by a finite update or left alone (a skipped step).
+            saveable = weights_finite and (step_finite or not applied)
+            if step_finite and weights_finite:
+                nonfinite = 0
+            elif te.precision == "fp16" and not applied and weights_finite:
+                if self.rank == 0:  # the scaler halves the scale and retries; the weights are unchanged
                     log.warning("non-finite loss at phase %d step %d: fp16 loss scaler skipped the step", p + 1, step)
             else:
-                nonfinite = 0
-            grad_norm = engine.get_global_grad_norm()
+                nonfinite += 1
+                what = "loss/grad norm" if weights_finite else "weights after the update"
+                if nonfinite >= recipe.logging.max_nonfinite_steps:
+                    raise NonFiniteLossError(
+                        f"non-finite {what} (loss {loss}) for {nonfinite} consecutive steps at phase {p + 1} step "
+                        f"{step} (logging.max_nonfinite_steps={recipe.logging.max_nonfinite_steps}); last good "
+                        f"checkpoint: {last_good or 'none'} in {self.ckpt_dir}. Lower phases[{p}].lr or check the "
+                        f"data; resume with --resume auto.")
+                log.warning("non-finite %s at phase %d step %d (%d in a row)", what, p + 1, step, nonfinite)
             loss_scale = getattr(engine.optimizer, "cur_scale", None) if te.precision == "fp16" else None
             self.metrics.log_step(
                 offset + step, phase=p + 1, seq_len=phase.seq_len, max_predictions=phase.max_predictions, loss=loss,
@@ -368,18 +384,23 @@ class _Run:
                         print(f"phase {p + 1}: eval mlm_accuracy {accuracy:.4f} >= target "
                               f"{phase.target_mlm_accuracy} at step {step}; ending the phase", flush=True)
                     done = True
-            healthy = nonfinite == 0
             preempted = sums[7].item() > 0
             capped = args.max_steps is not None and offset + step >= args.max_steps
-            if healthy and (done or preempted or capped
-                            or (phase.checkpoint_interval and step % phase.checkpoint_interval == 0)):
+            must_save = done or preempted or capped
+            if must_save and not saveable:
+                # The phase end (or stop) would hand on weights no finite update produced; never save those.
+                raise NonFiniteLossError(
+                    f"phase {p + 1} stops at step {step} with non-finite weights or update (loss {loss}); last good "
+                    f"checkpoint: {last_good or 'none'} in {self.ckpt_dir}. Lower phases[{p}].lr or check the data; "
+                    f"resume with --resume auto.")
+            if saveable and (must_save or (phase.checkpoint_interval and step % phase.checkpoint_interval == 0)):
                 save(done)
-            if done:
-                break
             if preempted:
                 if self.rank == 0:
                     print(f"pre-empted: checkpointed at phase {p + 1} step {step}; exit {EXIT_PREEMPTED}", flush=True)
                 return EXIT_PREEMPTED
+            if done:
+                break
             if capped:
                 return 0
         self._handoff_tag = last_good
@@ -398,6 +419,11 @@ class _Run:
             return 0
         if p not in self.phases:
             raise ValueError(f"--phase {self.args.phase}: the newest checkpoint {tag!r} is in phase {p + 1}")
+        max_steps = self.args.max_steps
+        if max_steps is not None and sum(ph.steps for ph in self.recipe.phases[:p]) + step >= max_steps:
+            if self.rank == 0:  # re-running a finished --max-steps command trains nothing and saves nothing
+                print(f"nothing to do: --max-steps {max_steps} already reached at {tag}", flush=True)
+            return 0
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.write_run_metadata(self.run_dir, self.recipe, self.model_config, self.args.tokenizer)

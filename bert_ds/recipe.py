@@ -20,6 +20,7 @@ __all__ = ["OptimizerConfig", "PhaseConfig", "DeepSpeedSection", "LoggingConfig"
 
 _KERNELS = ("auto", "triton", "torch", "apex")
 _PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+_DEFAULT_MASKED_LM_PROB = 0.15  # BERT paper §3.1
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
@@ -84,9 +85,15 @@ class PhaseConfig:
     """Checkpoint every N steps (0: only at the end of the phase and on pre-emption)."""
     dynamic_masking: bool | None = None
     """Re-mask on the fly each epoch; ``None`` keeps the shards' static masks."""
+    masked_lm_prob: float = _DEFAULT_MASKED_LM_PROB
+    """Dynamic masking only: fraction of tokens to predict (BERT paper §3.1: 0.15; MosaicBERT: 0.30)."""
+    shuffle_window_shards: int = 8
+    """Loader shuffle window in shards: samples are shuffled across this many shards at a time, which also spreads
+    near-duplicate copies that the data pipeline writes into different shards."""
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "steps", "global_batch_size", "micro_batch_size", "max_predictions"):
+        for name in ("seq_len", "steps", "global_batch_size", "micro_batch_size", "max_predictions",
+                     "shuffle_window_shards"):
             _positive_int("phase", name, getattr(self, name))
         for name in ("eval_interval", "checkpoint_interval"):
             _non_negative_int("phase", name, getattr(self, name))
@@ -101,6 +108,11 @@ class PhaseConfig:
             raise ValueError(f"phase.decay_power={self.decay_power!r} must be > 0")
         if self.max_predictions > self.seq_len:
             raise ValueError(f"phase.max_predictions={self.max_predictions} exceeds phase.seq_len={self.seq_len}")
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise ValueError(f"phase.masked_lm_prob={self.masked_lm_prob!r} must be in (0, 1)")
+        if not self.dynamic_masking and self.masked_lm_prob != _DEFAULT_MASKED_LM_PROB:
+            raise ValueError(f"phase.masked_lm_prob={self.masked_lm_prob!r} needs phase.dynamic_masking=true (static "
+                             f"masks come with the shards)")
         if self.target_mlm_accuracy is not None and not 0.0 < self.target_mlm_accuracy <= 1.0:
             raise ValueError(f"phase.target_mlm_accuracy={self.target_mlm_accuracy!r} must be in (0, 1]")
 
@@ -256,6 +268,8 @@ def gradient_accumulation_steps(phase: PhaseConfig, world_size: int, where: str 
 # Fields that may change between a checkpoint and its resume without changing the numbers the run produces.
 _RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointing"}
 _PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy"}
+# Phase fields added after checkpoints were first written: a saved recipe without them used these values.
+_PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8}
 
 
 def resume_blockers(saved: dict, current: Recipe) -> list[str]:
@@ -277,5 +291,8 @@ def resume_blockers(saved: dict, current: Recipe) -> list[str]:
         elif (list(a) if isinstance(a, tuple) else a) != (list(b) if isinstance(b, tuple) else b):
             diffs.append(path)
 
+    if isinstance(saved.get("phases"), list):
+        saved = {**saved, "phases": [{**_PHASE_ADDED_DEFAULTS, **ph} if isinstance(ph, dict) else ph
+                                     for ph in saved["phases"]]}
     walk(saved, now, "")
     return diffs

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.engine import deepspeed_config
+from bert_ds.engine import check_optimizer_support, deepspeed_config
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, load_recipe, resume_blockers
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
@@ -70,6 +70,8 @@ def test_typo_key_names_key_and_file(tmp_path, where, key):
     ("phase", "global_batch_size", 30),  # not a multiple of micro 4
     ("phase", "warmup_fraction", 1.5),
     ("phase", "max_predictions", 1000),
+    ("phase", "masked_lm_prob", 1.5),
+    ("phase", "shuffle_window_shards", 0),
     ("optimizer", "name", "sgd"),
     ("deepspeed", "zero_stage", 4),
     ("deepspeed", "precision", "fp8"),
@@ -109,3 +111,40 @@ def test_resume_blockers_name_fields():
     changed["phases"][0]["micro_batch_size"] = 2  # does not matter (accumulation absorbs it)
     changed["phases"][0]["checkpoint_interval"] = 5  # does not matter
     assert resume_blockers(saved.to_dict(), Recipe.from_dict(changed)) == ["optimizer.weight_decay", "phases[1].lr"]
+
+
+def test_masked_lm_prob_needs_dynamic_masking(tmp_path):
+    data = _tiny()
+    data["phases"][0]["masked_lm_prob"] = 0.3  # MosaicBERT's rate
+    with pytest.raises(ValueError, match="masked_lm_prob=0.3 needs phase.dynamic_masking=true"):
+        load_recipe(_write(tmp_path, data))
+    data["phases"][0]["dynamic_masking"] = True
+    recipe = load_recipe(_write(tmp_path, data))
+    assert (recipe.phases[0].masked_lm_prob, recipe.phases[0].shuffle_window_shards) == (0.3, 8)
+
+
+def test_resume_blockers_accept_recipes_saved_before_new_phase_fields():
+    recipe = Recipe.from_dict(_tiny())
+    saved = recipe.to_dict()
+    for phase in saved["phases"]:
+        del phase["masked_lm_prob"], phase["shuffle_window_shards"]
+    assert resume_blockers(saved, recipe) == []
+    changed = _tiny()
+    changed["phases"][0]["shuffle_window_shards"] = 4  # another data order
+    assert resume_blockers(saved, Recipe.from_dict(changed)) == ["phases[0].shuffle_window_shards"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lamb_without_zero_refuses_half_precision_before_compute(precision):
+    """DeepSpeed wraps a half-precision client optimizer without ZeRO in a layout ZeroAwareLamb cannot bind; the run
+    must refuse it up front (exit 2), naming the fields, not with a traceback after the engine is built."""
+    data = _tiny()
+    data["deepspeed"].update(zero_stage=0, precision=precision)
+    recipe = Recipe.from_dict(data)
+    with pytest.raises(ValueError, match=r"optimizer.name='lamb' with deepspeed.zero_stage=0 and deepspeed.precision"):
+        check_optimizer_support(recipe, precision)
+    check_optimizer_support(recipe, "fp32")  # what the CPU downgrade resolves to: fine
+    data["deepspeed"]["zero_stage"] = 2
+    check_optimizer_support(Recipe.from_dict(data), precision)
+    data["deepspeed"]["zero_stage"], data["optimizer"] = 0, {"name": "adamw"}
+    check_optimizer_support(Recipe.from_dict(data), precision)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Evaluate a bert_ds training checkpoint on a held-out shard set.
 
-    python tools/evaluate.py --checkpoint runs/large/checkpoints --data data/eval_512 [--tag global_step1563]
+    python tools/evaluate.py --checkpoint runs/large/checkpoints --data data/eval_512 [--tag phase2-step001563]
 
 Prints one JSON line on stdout (mlm_accuracy, nsp_accuracy, mlm_loss, nsp_loss, samples, masked_tokens, checkpoint,
 tag); everything else goes to stderr. Exit status 2 for a missing or incompatible checkpoint or data directory.

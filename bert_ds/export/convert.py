@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from bert_ds.checkpoint import RUN_STATE_NAME, parse_tag
 from bert_ds.config import BertConfig
 from bert_ds.export.hf import HF_ARCHITECTURE, export_model, tokenizer_vocab_size
 from bert_ds.export.keymap import ExportError
@@ -37,7 +38,15 @@ class CheckpointRef:
 
 
 def _available_tags(checkpoint_dir: Path) -> list[str]:
-    return sorted(p.name for p in checkpoint_dir.iterdir() if p.is_dir() and any(p.glob("*model_states.pt")))
+    # Leaves out bert_ds's in-progress save directories (``<tag>.tmp``, ``.<tag>.old``).
+    return sorted(p.name for p in checkpoint_dir.iterdir()
+                  if p.is_dir() and not p.name.endswith(".tmp") and not p.name.startswith(".")
+                  and any(p.glob("*model_states.pt")))
+
+
+def _complete_tags(checkpoint_dir: Path) -> list[str]:
+    return [t for t in _available_tags(checkpoint_dir)
+            if parse_tag(t) is None or (checkpoint_dir / t / RUN_STATE_NAME).is_file()]
 
 
 def find_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> CheckpointRef:
@@ -54,6 +63,11 @@ def find_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> Check
                                   f"pass --tag, available: {tags}")
             raise ExportError(f"{checkpoint_dir}: no DeepSpeed checkpoint here (no 'latest' file, no tag directories)")
         tag = latest.read_text().strip()
+    elif tag in tags and parse_tag(tag) is not None and not (checkpoint_dir / tag / RUN_STATE_NAME).is_file():
+        # The training engine writes run_state.json last, after every rank finished (bert_ds.checkpoint); tags of
+        # other DeepSpeed programs carry no such marker and are taken as they are.
+        raise ExportError(f"{checkpoint_dir / tag}: no run_state.json, so this checkpoint is incomplete (a save "
+                          f"that did not finish); pick a complete tag, available: {_complete_tags(checkpoint_dir)}")
     if tag not in tags:
         raise ExportError(f"{checkpoint_dir}: checkpoint tag {tag!r} not found; available: {tags or 'none'}")
     config_path = checkpoint_dir / "model_config.json"

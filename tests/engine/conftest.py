@@ -51,7 +51,14 @@ def _free_port() -> int:
 
 def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = 240, check: bool = True,
                  ) -> subprocess.CompletedProcess:
-    """``python -m bert_ds.pretrain`` (1 process) or ``deepspeed --num_gpus N bert_ds/pretrain.py`` (N CPU ranks)."""
+    """``python -m bert_ds.pretrain`` (1 process) or ``deepspeed --num_gpus N bert_ds/pretrain.py`` (N CPU ranks).
+
+    Without a ``--tokenizer`` in ``args``, the one ``synthetic_data`` writes beside the first ``--data`` directory is
+    passed (the flag is required)."""
+    if "--tokenizer" not in args and "--data" in args:
+        synthetic_tokenizer = Path(args[args.index("--data") + 1]).parent / "tokenizer"
+        if synthetic_tokenizer.is_dir():
+            args = [*args, "--tokenizer", str(synthetic_tokenizer)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     if nprocs == 1:
         cmd = [sys.executable, "-m", "bert_ds.pretrain", *args]
@@ -101,14 +108,21 @@ def assert_close_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 @pytest.fixture(scope="session")
 def synthetic_data(tmp_path_factory) -> tuple[Path, Path]:
-    """Synthetic seq-128 and seq-512 shard sets (vocab 12,000; no tokenizer needed)."""
+    """Synthetic seq-128 and seq-512 shard sets (vocab 12,000) and, beside them, a ``tokenizer/`` whose vocab.txt
+    has that size and hash, with bert_ds's special-token order ([MASK] = 4)."""
+    from bert_ds.data.index import vocab_sha256
     from bert_ds.data.synthetic import write_synthetic_shards
 
     root = tmp_path_factory.mktemp("engine_shards")
+    (root / "tokenizer").mkdir()
+    vocab = root / "tokenizer" / "vocab.txt"
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab.write_text("\n".join(specials + [f"tok{i}" for i in range(12000 - len(specials))]) + "\n")
+    sha = vocab_sha256(vocab)
     write_synthetic_shards(root / "s128", num_samples=400, samples_per_shard=100, seq_len=128, max_predictions=20,
-                           vocab_size=12000, seed=1)
+                           vocab_size=12000, seed=1, vocab_sha256=sha)
     write_synthetic_shards(root / "s512", num_samples=200, samples_per_shard=50, seq_len=512, max_predictions=80,
-                           vocab_size=12000, seed=2)
+                           vocab_size=12000, seed=2, vocab_sha256=sha)
     return root / "s128", root / "s512"
 
 

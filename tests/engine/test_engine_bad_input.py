@@ -10,9 +10,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, SMALL_RECIPE, run_pretrain, write_recipe
 
+from bert_ds.config import BertConfig
 from bert_ds.data.synthetic import write_synthetic_shards
+from bert_ds.export.convert import CheckpointRef, consolidate_checkpoint
 from bert_ds.pretrain import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
 
 
@@ -42,6 +45,15 @@ def test_batch_inconsistent_with_world_size(synthetic_data, tmp_path):
                  nprocs=2)
     assert "phases[0].global_batch_size=2 is not divisible by phases[0].micro_batch_size=2 x world size 2" in out
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_tokenizer_is_required(synthetic_data, tmp_path):
+    """Without it, export would later miss tokenizer/vocab.txt and dynamic masking would guess [MASK]'s id."""
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(write_recipe(tmp_path / "r.json")),
+                           "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_BAD_INPUT and "--tokenizer" in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_shards_with_wrong_seq_len(synthetic_data, tmp_path):
@@ -76,17 +88,30 @@ def test_resume_with_different_recipe(synthetic_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(synthetic_data, tmp_path):
+@pytest.mark.parametrize("phase2_steps, interval", [(8, 1), (2, 0)], ids=["periodic-save", "phase-end"])
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(synthetic_data, tmp_path, phase2_steps, interval):
+    """LAMB's trust ratio pinned at 1e20: phase 1 (lr 1e-25) moves the weights by ~1e-5, phase 2 (lr 1e20) makes
+    them overflow float32 in its first update, while that step's loss (computed before the update) is still finite.
+    Neither a periodic save nor the end of a 2-step phase (whose last loss is non-finite) may keep those weights or
+    pass silently: the run stops with the non-finite exit and ``latest`` stays at phase 1's end, whose weights are
+    finite."""
     phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
-    phases[0].update(lr=1e38, steps=8, checkpoint_interval=1)  # the first update overflows the weights
-    recipe = write_recipe(tmp_path / "r.json", phases=phases, deepspeed={"zero_stage": 0})
+    phases[0].update(steps=1, warmup_fraction=0.0, lr=1e-25)
+    phases[1].update(lr=1e20, steps=phase2_steps, checkpoint_interval=interval)
+    recipe = write_recipe(tmp_path / "r.json", phases=phases, deepspeed={"zero_stage": 0},
+                          optimizer={"name": "lamb", "trust_clamp": [1e20, 1e20]})
     run = tmp_path / "run"
     out = _fails(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(run)],
                  code=EXIT_NONFINITE)
-    assert "non-finite" in out and "logging.max_nonfinite_steps=2" in out
+    assert "non-finite" in out
+    assert "logging.max_nonfinite_steps=2" in out
     latest = (run / "checkpoints" / "latest").read_text()
     assert latest == "phase1-step000001" and f"last good checkpoint: {latest}" in out
     assert sorted(p.name for p in (run / "checkpoints").glob("phase*")) == ["phase1-step000001"]
+    ckpt = run / "checkpoints"
+    state = consolidate_checkpoint(CheckpointRef(ckpt, latest, BertConfig.load(ckpt / "model_config.json"),
+                                                 ckpt / "tokenizer"))
+    assert all(torch.isfinite(t).all() for t in state.values())
 
 
 @pytest.mark.slow
@@ -97,7 +122,8 @@ def test_sigusr1_checkpoints_and_exits_with_preempted_code(synthetic_data, tmp_p
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(recipe), "--data",
-                             *map(str, synthetic_data), "--output", str(run)], cwd=REPO, env=env,
+                             *map(str, synthetic_data), "--tokenizer", str(synthetic_data[0].parent / "tokenizer"),
+                             "--output", str(run)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
