@@ -12,10 +12,11 @@ for the global-norm clip, no ``"optimizer"`` / ``"scheduler"`` sections (the cli
 """
 
 from bert_ds.optim.factory import OPTIMIZER_NAMES, bind_optimizer, build_optimizer, no_decay, param_groups
-from bert_ds.optim.lamb import ZeroAwareLamb, ZeroLayout, zero_layout
+from bert_ds.optim.lamb import UnsupportedZeroSetup, ZeroAwareLamb, ZeroLayout, zero_layout
 from bert_ds.optim.schedule import NVIDIA_BERT_POWER, warmup_poly_decay
 
 __all__ = [
+    "UnsupportedZeroSetup",
     "NVIDIA_BERT_POWER",
     "OPTIMIZER_NAMES",
     "ZeroAwareLamb",

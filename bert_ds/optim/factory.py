@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from bert_ds.optim.lamb import ZeroAwareLamb
+from bert_ds.optim.lamb import UnsupportedZeroSetup, ZeroAwareLamb
 
 __all__ = ["OPTIMIZER_NAMES", "bind_optimizer", "build_optimizer", "no_decay", "param_groups"]
 
@@ -63,7 +63,7 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: 
     betas = tuple(betas)
     if name == "lamb":
         if zero_stage == 3:
-            raise NotImplementedError("build_optimizer: 'lamb' does not support ZeRO stage 3 (per-tensor trust ratios "
+            raise UnsupportedZeroSetup("build_optimizer: 'lamb' does not support ZeRO stage 3 (per-tensor trust ratios "
                                       "across stage-3 sub-group partitions are not implemented); use stage 1 or 2")
         return ZeroAwareLamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **lamb_kw)
     if name == "adamw":
@@ -101,11 +101,11 @@ def bind_optimizer(engine) -> None:
         return
     stage = engine.zero_optimization_stage()
     if stage == 3:
-        raise NotImplementedError("ZeroAwareLamb does not support ZeRO stage 3; use stage 1 or 2")
+        raise UnsupportedZeroSetup("ZeroAwareLamb does not support ZeRO stage 3; use stage 1 or 2")
     if wrapped is base:
         return  # stage 0 fp32: the engine steps the client optimizer on the original tensors
     if stage in (1, 2) and type(wrapped).__name__ == "DeepSpeedZeroOptimizer":
         base.bind_zero(wrapped)
         return
-    raise NotImplementedError(f"ZeroAwareLamb: DeepSpeed wraps it in {type(wrapped).__name__} (ZeRO stage {stage}), "
+    raise UnsupportedZeroSetup(f"ZeroAwareLamb: DeepSpeed wraps it in {type(wrapped).__name__} (ZeRO stage {stage}), "
                               "whose flat layout is not supported; use ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer)")

@@ -31,7 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["ZeroAwareLamb", "ZeroLayout", "segment_sq_norms", "zero_layout"]
+__all__ = ["UnsupportedZeroSetup", "ZeroAwareLamb", "ZeroLayout", "segment_sq_norms", "zero_layout"]
+
+
+class UnsupportedZeroSetup(ValueError):
+    """A DeepSpeed setup under which ZeroAwareLamb cannot be exact (ZeRO-3, offload, ...): refused, never run."""
 
 
 @dataclass
@@ -80,14 +84,14 @@ def zero_layout(zero_optimizer) -> ZeroLayout:
             raise TypeError(f"ZeroAwareLamb.bind_zero: {type(zo).__name__} has no '{attr}'; only DeepSpeed's ZeRO "
                             "stage 1/2 optimizer (DeepSpeedZeroOptimizer) is supported")
     if getattr(zo, "cpu_offload", False):
-        raise NotImplementedError("ZeroAwareLamb under ZeRO offload_optimizer is not supported (untested); "
+        raise UnsupportedZeroSetup("ZeroAwareLamb under ZeRO offload_optimizer is not supported (untested); "
                                   "drop zero_optimization.offload_optimizer")
     if getattr(zo, "torch_autocast_gradscaler", None) is not None or getattr(zo, "zenflow", False):
-        raise NotImplementedError("ZeroAwareLamb does not support torch_autocast or ZenFlow under ZeRO")
+        raise UnsupportedZeroSetup("ZeroAwareLamb does not support torch_autocast or ZenFlow under ZeRO")
     ws = dist.get_world_size(group=zo.dp_process_group)
     for i, pg in enumerate(zo.real_dp_process_group):
         if dist.get_world_size(group=pg) != ws:
-            raise NotImplementedError(f"ZeroAwareLamb: param group {i} uses a different data-parallel group "
+            raise UnsupportedZeroSetup(f"ZeroAwareLamb: param group {i} uses a different data-parallel group "
                                       "(MoE expert groups are not supported)")
 
     index_of = {}
@@ -205,7 +209,7 @@ class ZeroAwareLamb(Optimizer):
         """
         if type(zero_optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3" or hasattr(
                 zero_optimizer, "fp32_partitioned_groups_flat"):
-            raise NotImplementedError("ZeroAwareLamb does not support ZeRO stage 3: its sub-group partitions would "
+            raise UnsupportedZeroSetup("ZeroAwareLamb does not support ZeRO stage 3: its sub-group partitions would "
                                       "give per-slice trust ratios. Use ZeRO stage 1 or 2, or AdamW under stage 3.")
         if getattr(zero_optimizer, "optimizer", None) is not self:
             raise ValueError("ZeroAwareLamb.bind_zero: the given ZeRO optimizer does not wrap this optimizer")

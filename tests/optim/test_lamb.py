@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lamb_harness import BETAS, CLIP, EPS, LR, WEIGHT_DECAY, batch, make_model, max_rel_diff, reference_lamb  # noqa: E402
 
-from bert_ds.optim import ZeroAwareLamb, bind_optimizer, build_optimizer, no_decay, param_groups  # noqa: E402
+from bert_ds.optim import UnsupportedZeroSetup, ZeroAwareLamb, bind_optimizer, build_optimizer, no_decay, param_groups  # noqa: E402
 
 
 def train_plain(steps: int, clip: float = CLIP, **lamb_kw) -> dict[str, torch.Tensor]:
@@ -117,7 +117,7 @@ def test_build_optimizer_choices():
     expected = "FusedAdam" if torch.cuda.is_available() else "AdamW"
     assert type(adamw).__name__ == expected
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.01, 0.0]
-    with pytest.raises(NotImplementedError, match="stage 3"):
+    with pytest.raises(UnsupportedZeroSetup, match="stage 3"):
         build_optimizer("lamb", model, lr=1e-3, zero_stage=3)
     with pytest.raises(ValueError, match="zero_stage=0"):
         build_optimizer("apex_lamb", model, lr=1e-3, zero_stage=2)
@@ -148,7 +148,7 @@ def test_bind_optimizer_is_noop_for_adamw_and_zero0():
 def test_bind_optimizer_refuses_unknown_wrapper():
     lamb = build_optimizer("lamb", make_model(), lr=1e-3)
     wrapper = SimpleNamespace(optimizer=lamb)  # e.g. an fp16 stage-0 wrapper with flat fp32 groups
-    with pytest.raises(NotImplementedError, match="not supported"):
+    with pytest.raises(UnsupportedZeroSetup, match="not supported"):
         bind_optimizer(SimpleNamespace(optimizer=wrapper, zero_optimization_stage=lambda: 0))
-    with pytest.raises(NotImplementedError, match="stage 3"):
+    with pytest.raises(UnsupportedZeroSetup, match="stage 3"):
         bind_optimizer(SimpleNamespace(optimizer=wrapper, zero_optimization_stage=lambda: 3))
