@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,25 @@ def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = 240, check: 
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_until_signalled(recipe: Path, data: tuple[Path, Path], run: Path, sig: int = signal.SIGUSR1,
+                        ) -> tuple[int, list[str]]:
+    """Start ``python -m bert_ds.pretrain`` on ``data``, send ``sig`` once it logs step 1, and return its exit code
+    and console lines."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(recipe), "--data",
+                             *map(str, data), "--tokenizer", str(data[0].parent / "tokenizer"),
+                             "--output", str(run)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 1 "):
+            proc.send_signal(sig)
+            break
+    lines += proc.stdout.readlines()
+    return proc.wait(timeout=120), lines
 
 
 def weights(run_dir: Path, tag: str) -> dict[str, torch.Tensor]:

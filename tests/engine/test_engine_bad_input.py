@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO, SMALL_RECIPE, run_pretrain, write_recipe
+from conftest import REPO, SMALL_RECIPE, run_pretrain, run_until_signalled, write_recipe
 
 from bert_ds.config import BertConfig
 from bert_ds.data.synthetic import write_synthetic_shards
@@ -118,21 +117,9 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(synthetic_data, tmp
 def test_sigusr1_checkpoints_and_exits_with_preempted_code(synthetic_data, tmp_path):
     phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
     phases[0]["steps"] = 500
-    recipe = write_recipe(tmp_path / "r.json", phases=phases)
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(recipe), "--data",
-                             *map(str, synthetic_data), "--tokenizer", str(synthetic_data[0].parent / "tokenizer"),
-                             "--output", str(run)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step 1 "):
-            proc.send_signal(signal.SIGUSR1)
-            break
-    lines += proc.stdout.readlines()
-    assert proc.wait(timeout=120) == EXIT_PREEMPTED, "".join(lines[-40:])
+    code, lines = run_until_signalled(write_recipe(tmp_path / "r.json", phases=phases), synthetic_data, run)
+    assert code == EXIT_PREEMPTED, "".join(lines[-40:])
     tag = (run / "checkpoints" / "latest").read_text()
     state = json.loads((run / "checkpoints" / tag / "run_state.json").read_text())
     assert state["phase"] == 0 and 1 <= state["step"] < 500 and not state["phase_done"]

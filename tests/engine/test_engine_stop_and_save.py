@@ -4,15 +4,11 @@ pre-emption on a phase's last step, a tag directory written again, a frozen NSP 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, SMALL_RECIPE, run_pretrain, weights, write_recipe
+from conftest import SMALL_RECIPE, run_pretrain, run_until_signalled, weights, write_recipe
 
 from bert_ds.config import BertConfig
 from bert_ds.export.convert import find_checkpoint
@@ -100,20 +96,8 @@ def test_signal_during_a_phase_last_step_stops_the_run(synthetic_data, tmp_path)
     phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
     phases[0]["steps"], phases[1]["steps"] = 2, 1
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.pretrain", "--recipe",
-                             str(write_recipe(tmp_path / "r.json", phases=phases)), "--data",
-                             *map(str, synthetic_data), "--tokenizer", str(synthetic_data[0].parent / "tokenizer"),
-                             "--output", str(run)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step 1 "):
-            proc.send_signal(signal.SIGUSR1)
-            break
-    lines += proc.stdout.readlines()
-    assert proc.wait(timeout=120) == EXIT_PREEMPTED, "".join(lines[-40:])
+    code, lines = run_until_signalled(write_recipe(tmp_path / "r.json", phases=phases), synthetic_data, run)
+    assert code == EXIT_PREEMPTED, "".join(lines[-40:])
     tag = (run / "checkpoints" / "latest").read_text()
     assert tag in ("phase1-step000002", "phase2-step000001")
     assert json.loads((run / "checkpoints" / tag / "run_state.json").read_text())["phase_done"] is True
