@@ -40,6 +40,9 @@ class BertLMPredictionHead(nn.Module):
     def forward(self, x: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., vocab_size) logits over the real vocabulary."""
         v = self.vocab_size
+        if decoder_weight.shape[0] == v:
+            # No padding: no slice either, whose backward would zero-fill and copy a whole (V, H) gradient.
+            return F.linear(self.transform(x), decoder_weight, self.bias)
         # Slicing the rows (a view) skips the padding rows' matmul work as well as their logits.
         return F.linear(self.transform(x), decoder_weight[:v], self.bias[:v])
 
