@@ -13,8 +13,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	# torch first: on this CPU machine the pin resolves to the CPU build on disk, on a GPU cluster to CUDA.
 	$(PIP) install torch==$(TORCH_VERSION)
 	# deepspeed builds against the torch above, so it must not get an isolated build environment.
-	$(PIP) install --no-build-isolation deepspeed
+	$(PIP) install --no-build-isolation 'deepspeed>=0.19,<0.20'
 	$(PIP) install -e '.[dev,mpi]'
+	# timm's pure-PyTorch Lamb is the independent reference the LAMB tests compare against. --no-deps: its
+	# torchvision requirement would replace the CPU torch above; the tests load timm/optim/lamb.py alone.
+	$(PIP) install --no-deps timm==1.0.31
 	touch $@
 
 venv: $(VENV)/.installed

@@ -1,20 +1,25 @@
-"""Checkpoint layout, atomic ``latest`` pointer, retention, and the run state saved with every checkpoint.
+"""The one owner of the run directory: layout, atomic ``latest`` pointer, retention, run state, consolidation.
 
-Layout (the exporter in :mod:`bert_ds.export` reads exactly this)::
+Everything else asks this module: the exporter (:mod:`bert_ds.export`) and evaluation (:mod:`bert_ds.evaluate`) read
+checkpoints through :func:`open_checkpoint` and :func:`consolidated_state_dict`, never by globbing the files. Layout::
 
     RUN_DIR/recipe.json                  the resolved recipe of the run
     RUN_DIR/tensorboard/                 metrics
     RUN_DIR/checkpoints/                 DeepSpeed's save dir
         latest                           tag of the newest *complete* checkpoint (written last, atomically)
         model_config.json                BertConfig.save
-        tokenizer/                       vocab.txt (+ tokenizer.json, tokenizer_meta.json when present)
+        tokenizer/                       vocab.txt, tokenizer_meta.json (the casing training used, always written)
+                                         (+ tokenizer.json, tokenizer_config.json when present)
         phase1-step000040/               one DeepSpeed tag: mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt
             run_state.json               recipe, phase, step, consumed samples, loader state, world size (readable
                                          without torch; the same dict is DeepSpeed's client state)
             rng_rank00000.pt ...         python / numpy / torch RNG states of each rank
 
 ZeRO 1/2 run with ``elastic_checkpoint`` so the optimizer partitions are merged and re-cut by DeepSpeed when the
-number of ranks changes between save and resume.
+number of ranks changes between save and resume. Tags are ``phaseN-stepNNNNNN``; a tag is complete once its
+``run_state.json`` exists (written last); ``<tag>.tmp`` (a save in progress) and ``.<tag>.old`` (the tag being replaced)
+never parse as tags, so they are never listed, resumed or exported. deepspeed is imported only inside the functions
+that need it, so reading a run directory (export, evaluation) does not import it.
 """
 
 from __future__ import annotations
@@ -24,20 +29,41 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-import deepspeed.comm as dist
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_DIR", "RUN_STATE_NAME", "checkpoint_dir", "tag_for", "parse_tag", "list_tags", "read_latest",
+from bert_ds.config import BertConfig
+from bert_ds.data.tokenizer import META_NAME, load_tokenizer, read_lowercase
+
+__all__ = ["CHECKPOINT_DIR", "RUN_STATE_NAME", "MODEL_CONFIG_NAME", "TOKENIZER_DIR_NAME", "CheckpointError",
+           "CheckpointRef", "resolve_tag", "read_model_config", "tokenizer_dir", "open_checkpoint",
+           "checkpoint_dir", "tag_for", "parse_tag", "list_tags", "read_latest",
            "read_run_state", "save_checkpoint", "prune_checkpoints", "save_rng_state", "load_rng_state",
-           "write_run_metadata", "consolidated_state_dict", "load_checkpoint", "load_optimizer_moments"]
+           "write_run_metadata", "consolidated_state_dict"]
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_STATE_NAME = "run_state.json"
+MODEL_CONFIG_NAME = "model_config.json"
+TOKENIZER_DIR_NAME = "tokenizer"
 _TAG = re.compile(r"^phase(\d+)-step(\d+)$")
-_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_meta.json", "tokenizer_config.json")
+_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
+
+
+class CheckpointError(ValueError):
+    """A run directory that cannot be read as asked; the message names the path and what is missing."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A resolved, complete checkpoint: everything needed to rebuild the model and its tokenizer."""
+
+    checkpoint_dir: Path
+    tag: str
+    config: BertConfig
+    tokenizer_dir: Path
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -65,17 +91,76 @@ def list_tags(ckpt_dir: str | Path) -> list[str]:
 
 
 def read_latest(ckpt_dir: str | Path) -> str | None:
+    """The tag ``latest`` names, None without a ``latest`` file; a CheckpointError if that tag is incomplete."""
     path = Path(ckpt_dir) / "latest"
     if not path.is_file():
         return None
     tag = path.read_text().strip()
     if not (Path(ckpt_dir) / tag / RUN_STATE_NAME).is_file():
-        raise ValueError(f"{path} names tag {tag!r} but {Path(ckpt_dir) / tag / RUN_STATE_NAME} is missing")
+        raise CheckpointError(f"{path} names tag {tag!r} but {Path(ckpt_dir) / tag / RUN_STATE_NAME} is missing")
     return tag
 
 
 def read_run_state(ckpt_dir: str | Path, tag: str) -> dict:
     return json.loads((Path(ckpt_dir) / tag / RUN_STATE_NAME).read_text())
+
+
+def resolve_tag(ckpt_dir: str | Path, tag: str | None = None) -> str:
+    """``tag`` (or the one ``latest`` names) after checking it is a complete checkpoint of ``ckpt_dir``."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: not a directory")
+    tags = list_tags(ckpt_dir)
+    if tag is None:
+        tag = read_latest(ckpt_dir)
+        if tag is None:
+            if tags:
+                raise CheckpointError(f"{ckpt_dir}: no 'latest' file (the newest save may not have finished); pass a "
+                                      f"tag, complete ones: {tags}")
+            raise CheckpointError(f"{ckpt_dir}: no bert_ds checkpoint here (no 'latest' file, no complete tag)")
+        return tag
+    if tag in tags:
+        return tag
+    if parse_tag(tag) is not None and (ckpt_dir / tag).is_dir():
+        raise CheckpointError(f"{ckpt_dir / tag}: no {RUN_STATE_NAME}, so this checkpoint is incomplete (a save that "
+                              f"did not finish); pick a complete tag: {tags}")
+    raise CheckpointError(f"{ckpt_dir}: checkpoint tag {tag!r} not found; available: {tags or 'none'}")
+
+
+def read_model_config(ckpt_dir: str | Path) -> BertConfig:
+    path = Path(ckpt_dir) / MODEL_CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (training saves the model config beside the checkpoint tags)")
+    try:
+        return BertConfig.load(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def tokenizer_dir(ckpt_dir: str | Path) -> Path:
+    """The tokenizer copied beside the tags: a directory :func:`bert_ds.data.tokenizer.load_tokenizer` reads."""
+    path = Path(ckpt_dir) / TOKENIZER_DIR_NAME
+    if not (path / "vocab.txt").is_file():
+        raise CheckpointError(f"{path / 'vocab.txt'}: missing (training copies the tokenizer beside the checkpoint "
+                              f"tags)")
+    return path
+
+
+def open_checkpoint(ckpt_dir: str | Path, tag: str | None = None) -> CheckpointRef:
+    """Resolve ``tag`` (``latest`` unless given) and check the model config and the tokenizer agree on the
+    vocabulary, before anything reads tensors."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = resolve_tag(ckpt_dir, tag)
+    config = read_model_config(ckpt_dir)
+    tok_dir = tokenizer_dir(ckpt_dir)
+    try:
+        size = load_tokenizer(tok_dir).vocab_size
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{tok_dir}: cannot load the tokenizer: {exc}") from exc
+    if size != config.vocab_size:
+        raise CheckpointError(f"{ckpt_dir / MODEL_CONFIG_NAME}: vocab_size={config.vocab_size} but "
+                              f"{tok_dir / 'vocab.txt'} has {size} tokens")
+    return CheckpointRef(ckpt_dir, tag, config, tok_dir)
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -85,19 +170,25 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def write_run_metadata(run_dir: str | Path, recipe, model_config, tokenizer_dir: str | Path | None) -> None:
-    """Rank 0: recipe.json in the run dir; model_config.json and the tokenizer beside the checkpoint tags."""
+    """Rank 0: recipe.json in the run dir; model_config.json and the tokenizer beside the checkpoint tags.
+
+    The copied tokenizer always gets a ``tokenizer_meta.json`` holding the casing training resolved
+    (:func:`bert_ds.data.tokenizer.load_tokenizer`: the meta file, else a Hugging Face ``tokenizer_config.json``'s
+    ``do_lower_case``, else uncased), so the export carries that casing whatever the source directory held."""
     run_dir = Path(run_dir)
     ckpt = checkpoint_dir(run_dir)
     ckpt.mkdir(parents=True, exist_ok=True)
     _atomic_write(run_dir / "recipe.json", json.dumps(recipe.to_dict(), indent=2) + "\n")
-    model_config.save(ckpt / "model_config.json")
+    model_config.save(ckpt / MODEL_CONFIG_NAME)
     if tokenizer_dir is not None:
-        out = ckpt / "tokenizer"
+        lowercase = read_lowercase(tokenizer_dir)
+        out = ckpt / TOKENIZER_DIR_NAME
         out.mkdir(exist_ok=True)
         for name in _TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name
             if src.is_file():
                 shutil.copyfile(src, out / name)
+        _atomic_write(out / META_NAME, json.dumps({"lowercase": lowercase}) + "\n")
 
 
 def save_rng_state(path: Path) -> None:
@@ -120,6 +211,8 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
     directory to ``tag`` (replacing an older one) and then writes ``latest`` (temp file + rename), so a crash at any
     point leaves ``latest`` naming a complete checkpoint. Older tags beyond ``keep_last_k`` are pruned afterwards.
     """
+    import deepspeed.comm as dist
+
     ckpt = checkpoint_dir(run_dir)
     rank = dist.get_rank()
     tmp_tag = f"{tag}.tmp"  # parse_tag ignores it, so a half-written one is never listed or resumed
@@ -154,109 +247,23 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last_k: int) -> list[str]:
     return deleted
 
 
-def load_checkpoint(engine, ckpt_dir: str | Path, tag: str, saved_world_size: int) -> dict:
-    """Load ``tag`` into ``engine`` and return DeepSpeed's client state, on any number of ranks under ZeRO 1/2.
-
-    DeepSpeed 0.19 cannot load its own elastic ZeRO checkpoints into a client optimizer without a ``step`` entry in
-    its param groups (``_restore_step_from_elastic_checkpoint`` asserts; ZeroAwareLamb keeps the step in its state),
-    and refuses a checkpoint from another data-parallel size outright, although the elastic format (flat per-rank
-    partitions with the padding stripped) holds everything needed. So for ZeRO 1/2 DeepSpeed loads the module,
-    scheduler and client state without optimizer state, and the fp32 master weights and every optimizer state tensor
-    (LAMB's ``exp_avg``/``exp_avg_sq``) are merged from all saved partitions and re-cut for this rank with the ZeRO
-    optimizer's own helpers. On the same rank count this reproduces each partition bit for bit.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    world_size = dist.get_world_size()
-    stage = engine.zero_optimization_stage()
-    if stage == 0:
-        if saved_world_size != world_size:
-            raise ValueError(f"checkpoint {tag!r} was written by {saved_world_size} ranks without ZeRO partitions "
-                             f"of its own; resume it on {saved_world_size} ranks or use ZeRO stage 1/2")
-        load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
-        _apply_scheduler_lr(engine)
-        return client
-    if stage not in (1, 2):
-        raise ValueError(f"checkpoint {tag!r}: resuming needs ZeRO stage 0, 1 or 2 (deepspeed.zero_stage is {stage})")
-    load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=False)
-    if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
-    saved = _zero_partitions(ckpt_dir / tag, saved_world_size)
-    zero = engine.optimizer
-    zero._load_global_state(saved[0])  # loss scaler, clip setting
-    zero._restore_from_elastic_fp32_weights(saved)
-    _restore_zero_optimizer_state(zero, saved)
-    zero.update_lp_params()  # bf16/fp16 model copies from the restored fp32 master (a plain copy in fp32)
-    _apply_scheduler_lr(engine)
-    return client
-
-
-def load_optimizer_moments(engine, ckpt_dir: str | Path, tag: str, saved_world_size: int) -> None:
-    """Phase hand-off: the optimizer state of ``tag`` (Adam/LAMB moments) with the step count reset to 0.
-
-    The weights come with the model (``consolidated_state_dict``) and the schedule stays the new phase's; this is what
-    NVIDIA's ``run_pretraining.py --phase2`` does (see :mod:`bert_ds.pretrain`)."""
-    tag_dir = Path(ckpt_dir) / tag
-    if engine.zero_optimization_stage() == 0:
-        optimizer = engine.optimizer
-        lrs = [group["lr"] for group in optimizer.param_groups]
-        saved = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(saved["optimizer"])
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr  # the new phase's schedule, not the old phase's last lr
-        states = optimizer.state.values()
-    else:
-        zero = engine.optimizer
-        _restore_zero_optimizer_state(zero, _zero_partitions(tag_dir, saved_world_size))
-        states = [zero.optimizer.state[group["params"][0]] for group in zero.optimizer.param_groups]
-    for state in states:
-        if "step" in state:
-            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
-
-
-def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
-    """The ZeRO optimizer state dicts of every saved rank, in rank order."""
-    files = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=lambda f: int(f.name.split("_")[3]))
-    if len(files) != saved_world_size:
-        raise ValueError(f"checkpoint {tag_dir.name!r}: {len(files)} ZeRO partition files for {saved_world_size} "
-                         f"saved ranks")
-    saved = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
-    if not isinstance(saved[0]["base_optimizer_state"], list):
-        raise ValueError(f"checkpoint {tag_dir.name!r} was not saved with zero_optimization.elastic_checkpoint; it can "
-                         f"only be resumed on {saved_world_size} ranks")
-    return saved
-
-
-def _restore_zero_optimizer_state(zero, saved: list[dict]) -> None:
-    """Merge each state tensor of the client optimizer (LAMB's ``exp_avg``/``exp_avg_sq``) from all saved partitions
-    and cut this rank's partition out of it."""
-    for i, group in enumerate(zero.optimizer.param_groups):
-        flat = group["params"][0]
-        parts = [sd["base_optimizer_state"][i] for sd in saved]
-        for key, first in parts[0].items():
-            if torch.is_tensor(first) and first.dim() > 0:
-                merged = zero._partition_base_optimizer_state(key, [part[key] for part in parts], i)
-                zero.optimizer.state[flat][key] = merged.to(device=flat.device, dtype=torch.float32).clone()
-            else:  # scalars such as LAMB's step count are the same on every rank
-                zero.optimizer.state[flat][key] = first.clone() if torch.is_tensor(first) else first
-
-
-def _apply_scheduler_lr(engine) -> None:
-    """``LambdaLR.load_state_dict`` restores the step count but leaves the optimizer's lr at the fresh schedule's first
-    value until the next ``scheduler.step()``; the first resumed step must use the saved next lr."""
-    scheduler = engine.lr_scheduler
-    if scheduler is not None:
-        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
-
-
 def consolidated_state_dict(ckpt_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:
-    """Full fp32 model weights of a checkpoint, whatever its ZeRO stage and rank count (phase hand-off)."""
+    """Full fp32 model weights of a checkpoint, whatever its ZeRO stage and rank count (phase hand-off, export,
+    evaluation).
+
+    ZeRO 1-3 keep the fp32 master weights in ``zero_pp_rank_*_optim_states.pt`` partitions, which DeepSpeed's own
+    ``zero_to_fp32`` merges. Stage 0 writes no partitions: the module weights in ``mp_rank_00_model_states.pt`` are the
+    full model (the fp32 weights when training in fp32; the half-precision copies, upcast, with fp16/bf16)."""
     tag_dir = Path(ckpt_dir) / tag
-    if any(tag_dir.glob("*optim_states.pt")) and any(tag_dir.glob("zero_pp_rank_*")):
+    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    return {k: v.float() for k, v in states["module"].items()}
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        model_states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+        if len(model_states) != 1:
+            raise CheckpointError(f"{tag_dir}: expected one mp_rank_*_model_states.pt without ZeRO partitions, found "
+                                  f"{[p.name for p in model_states]} (tensor/pipeline-parallel checkpoints are not "
+                                  f"supported)")
+        state = torch.load(model_states[0], map_location="cpu", weights_only=False)["module"]
+    return {name: tensor.float() for name, tensor in state.items()}

@@ -16,12 +16,13 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds.config import BertConfig
+from bert_ds.deepspeed_internals import check_deepspeed_version
 from bert_ds.model import BertForPreTraining
-from bert_ds.optim import bind_optimizer, build_optimizer, warmup_poly_decay
+from bert_ds.optim import GlobalNormClip, bind_optimizer, build_optimizer, warmup_poly_decay
 from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
 
 __all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
-           "resolve_precision"]
+           "own_stage0_clip", "resolve_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,14 @@ def check_optimizer_support(recipe: Recipe, precision: str) -> None:
                          f"ZeRO in fp32 only; set deepspeed.zero_stage to 1 or 2, or deepspeed.precision to 'fp32'")
 
 
+def own_stage0_clip(zero_stage: int, precision: str) -> bool:
+    """Whether bert_ds, not DeepSpeed, clips gradients: ZeRO stage 0 in fp32, where DeepSpeed's
+    ``clip_fp32_gradients`` takes fp32 per-tensor norms (off by ~3e-5 on CPU) while ZeRO 1/2 accumulate in fp64, so
+    the stages would clip by different factors (``bert_ds/optim/clip.py``). Half precision at stage 0 is clipped
+    inside DeepSpeed's fp16/bf16 optimizer wrapper, which is left as it is."""
+    return zero_stage == 0 and precision == "fp32"
+
+
 def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precision: str,
                      where: str = "phase") -> dict:
     """DeepSpeed's config for one phase; raises ValueError before any compute if the batch sizes do not divide."""
@@ -56,7 +65,8 @@ def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precis
         "train_batch_size": phase.global_batch_size,
         "train_micro_batch_size_per_gpu": phase.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": ds.gradient_clipping,
+        # Stage 0 fp32: bert_ds clips (GlobalNormClip, fp64 norm like ZeRO 1/2), DeepSpeed's fp32-norm clip is off.
+        "gradient_clipping": 0.0 if own_stage0_clip(ds.zero_stage, precision) else ds.gradient_clipping,
         "steps_per_print": 1 << 30,  # bert_ds.metrics does the logging
         "wall_clock_breakdown": False,
         # LAMB is not on ZeRO's tested list; ZeroAwareLamb handles ZeRO's flat partitions itself (bert_ds.optim).
@@ -89,10 +99,12 @@ def build_model(recipe: Recipe, model_config: BertConfig, init_from_hf: str | No
     torch.manual_seed(recipe.seed)
     act_ckpt = recipe.deepspeed.activation_checkpointing
     if init_from_hf is not None:
-        model = BertForPreTraining.from_hf(init_from_hf, kernels=recipe.kernels, activation_checkpointing=act_ckpt,
-                                           pad_vocab_to_multiple_of=model_config.pad_vocab_to_multiple_of,
-                                           hidden_dropout_prob=model_config.hidden_dropout_prob,
-                                           attention_probs_dropout_prob=model_config.attention_probs_dropout_prob)
+        from bert_ds.export.hf import load_hf_pretrained
+
+        model = load_hf_pretrained(init_from_hf, kernels=recipe.kernels, activation_checkpointing=act_ckpt,
+                                   pad_vocab_to_multiple_of=model_config.pad_vocab_to_multiple_of,
+                                   hidden_dropout_prob=model_config.hidden_dropout_prob,
+                                   attention_probs_dropout_prob=model_config.attention_probs_dropout_prob)
         if model.config != model_config:
             raise ValueError(f"--init-from-hf {init_from_hf}: its config {model.config} differs from the run's "
                              f"{model_config}")
@@ -117,6 +129,8 @@ class TrainEngine:
     ds_config: dict
     precision: str
     accumulation: int
+    clip: GlobalNormClip | None = None
+    """Stage 0 fp32 only: the clip bert_ds runs instead of DeepSpeed's; it keeps the norm DeepSpeed does not."""
 
     @property
     def device(self) -> torch.device:
@@ -125,11 +139,20 @@ class TrainEngine:
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]
 
+    def grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last optimizer step at any ZeRO stage, None before the
+        first step. Call it after ``engine.step()`` at the accumulation boundary."""
+        if self.clip is not None:
+            return self.clip.last_norm
+        norm = self.engine.get_global_grad_norm()  # ZeRO 1/2, and DeepSpeed's fp16/bf16 wrappers
+        return None if norm is None else float(norm)
+
 
 def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, world_size: int) -> TrainEngine:
     """Wrap ``model`` in a DeepSpeed engine for ``recipe.phases[phase_index]`` with a fresh optimizer and schedule."""
     from deepspeed.accelerator import get_accelerator
 
+    check_deepspeed_version()
     phase = recipe.phases[phase_index]
     where = f"phases[{phase_index}]"
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
@@ -139,12 +162,16 @@ def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, wo
     lamb_kw = {}
     if opt.name == "lamb":
         lamb_kw["bias_correction"] = opt.bias_correction
+        lamb_kw["trust_ratio"] = opt.trust_ratio
         if opt.trust_clamp is not None:
             lamb_kw["min_trust"], lamb_kw["max_trust"] = opt.trust_clamp
     optimizer = build_optimizer(opt.name, model, phase.lr, weight_decay=opt.weight_decay, betas=opt.betas,
                                 eps=opt.eps, zero_stage=recipe.deepspeed.zero_stage, **lamb_kw)
     scheduler = LambdaLR(optimizer, warmup_poly_decay(phase.steps, phase.warmup_fraction, phase.decay_power))
+    clip = None
+    if own_stage0_clip(recipe.deepspeed.zero_stage, precision):
+        clip = GlobalNormClip(recipe.deepspeed.gradient_clipping).attach(optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     bind_optimizer(engine)
     return TrainEngine(engine=engine, scheduler=scheduler, ds_config=ds_config, precision=precision,
-                       accumulation=ds_config["gradient_accumulation_steps"])
+                       accumulation=ds_config["gradient_accumulation_steps"], clip=clip)

@@ -10,16 +10,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint
 from bert_ds.config import BertConfig
-
-if TYPE_CHECKING:
-    from bert_ds.export import CheckpointRef
 
 __all__ = ["MODEL_INPUTS", "evaluate", "load_checkpoint_model", "evaluate_checkpoint"]
 
@@ -101,25 +98,23 @@ def evaluate(model: nn.Module, eval_loader: Iterable[dict], device: torch.device
 def load_checkpoint_model(checkpoint_dir: str | Path, tag: str | None = None, *, kernels: str = "auto"):
     """A :class:`BertForPreTraining` with the consolidated fp32 weights of a bert_ds training checkpoint.
 
-    Returns ``(model, ref)`` where ``ref`` (:class:`bert_ds.export.CheckpointRef`) names the resolved tag, the model
-    config and the tokenizer directory. Raises ``bert_ds.export.ExportError`` (a ValueError) for a missing
-    directory, tag, ``model_config.json`` or tokenizer, and for weights that do not fit the config."""
-    from bert_ds.export import find_checkpoint
-
-    ref = find_checkpoint(checkpoint_dir, tag)
+    Returns ``(model, ref)`` where ``ref`` (:class:`bert_ds.checkpoint.CheckpointRef`) names the resolved tag, the
+    model config and the tokenizer directory. Raises :class:`bert_ds.checkpoint.CheckpointError` (a ValueError) for a
+    missing directory, tag, ``model_config.json`` or tokenizer, and for weights that do not fit the config."""
+    ref = open_checkpoint(checkpoint_dir, tag)
     return _model_from_checkpoint(ref, kernels), ref
 
 
 def _model_from_checkpoint(ref: CheckpointRef, kernels: str) -> nn.Module:
-    from bert_ds.export import ExportError, consolidate_checkpoint
     from bert_ds.model import BertForPreTraining
 
-    state = consolidate_checkpoint(ref)
+    state = consolidated_state_dict(ref.checkpoint_dir, ref.tag)
     model = BertForPreTraining(ref.config, kernels=kernels)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ExportError(f"{ref.checkpoint_dir / ref.tag}: weights do not match model_config.json: {exc}") from exc
+        raise CheckpointError(f"{ref.checkpoint_dir / ref.tag}: weights do not match model_config.json: {exc}") \
+            from exc
     return model
 
 
@@ -130,17 +125,17 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
 
     Adds ``checkpoint`` and ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError with the
     offending path for a missing or incompatible checkpoint or data directory."""
-    from bert_ds.data.index import ShardIndex, vocab_sha256
+    from bert_ds.data.index import ShardIndex
     from bert_ds.data.loader import build_eval_loader
-    from bert_ds.export import find_checkpoint
+    from bert_ds.data.tokenizer import load_tokenizer
 
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: eval data directory does not exist")
     index = ShardIndex.load(data_dir)
-    ref = find_checkpoint(checkpoint_dir, tag)
+    ref = open_checkpoint(checkpoint_dir, tag)
     config: BertConfig = ref.config
-    vocab_hash = vocab_sha256(ref.tokenizer_dir / "vocab.txt")
+    vocab_hash = load_tokenizer(ref.tokenizer_dir).vocab_sha256  # the hash training checked its shards against
     index.check_compatible(vocab_sha256=vocab_hash, vocab_size=config.vocab_size, where=str(data_dir))
     if index.seq_len > config.max_position_embeddings:
         raise ValueError(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "

@@ -19,6 +19,8 @@ __all__ = ["OptimizerConfig", "PhaseConfig", "DeepSpeedSection", "LoggingConfig"
            "gradient_accumulation_steps", "resume_blockers"]
 
 _KERNELS = ("auto", "triton", "torch", "apex")
+_TRUST_RATIO_RULES = ("all", "decay_only")
+"""``optimizer.trust_ratio`` values; the same names as ``ZeroAwareLamb(trust_ratio=...)``."""
 _PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 _DEFAULT_MASKED_LM_PROB = 0.15  # BERT paper §3.1
 
@@ -44,6 +46,13 @@ class OptimizerConfig:
     trust_clamp: tuple[float, float] | None = None
     """LAMB only: clamp the trust ratio to [min, max]; bing_bert uses [0.01, 0.3]. ``None``: unclamped (NVIDIA)."""
     bias_correction: bool = True
+    trust_ratio: str = "all"
+    """LAMB only: which tensors get the trust ratio ``||w|| / ||u||``. ``all``: every tensor ("NVLAMB"; apex
+    ``FusedLAMB(use_nvlamb=True)``, timm ``Lamb(always_adapt=True)``). ``decay_only``: only tensors with weight decay;
+    biases and LayerNorm take plain ``lr * u`` steps (apex's default ``use_nvlamb=False``, which NVIDIA's BERT
+    ``run_pretraining.py`` uses; timm's default ``always_adapt=False``). Under ``all`` an attention key bias, whose
+    true gradient is 0 (softmax cancels it), still moves by ``lr * ||b||`` per step of rounding noise. The default
+    stays ``all`` because recipes saved before this field existed were trained that way."""
 
     def __post_init__(self) -> None:
         if self.name not in ("lamb", "adamw"):
@@ -61,6 +70,10 @@ class OptimizerConfig:
                 raise ValueError(f"optimizer.trust_clamp={list(self.trust_clamp)!r}: need [min, max], 0 <= min <= max")
             if self.name != "lamb":
                 raise ValueError("optimizer.trust_clamp is a LAMB setting; remove it for adamw")
+        if self.trust_ratio not in _TRUST_RATIO_RULES:
+            raise ValueError(f"optimizer.trust_ratio={self.trust_ratio!r}: choose one of {_TRUST_RATIO_RULES}")
+        if self.name != "lamb" and self.trust_ratio != "all":
+            raise ValueError(f"optimizer.trust_ratio={self.trust_ratio!r} is a LAMB setting; remove it for adamw")
 
 
 @dataclass
@@ -270,6 +283,8 @@ _RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointin
 _PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy"}
 # Phase fields added after checkpoints were first written: a saved recipe without them used these values.
 _PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8}
+# Optimizer fields added later: recipes saved before ``trust_ratio`` existed applied the trust ratio to every tensor.
+_OPTIMIZER_ADDED_DEFAULTS = {"trust_ratio": "all"}
 
 
 def resume_blockers(saved: dict, current: Recipe) -> list[str]:
@@ -294,5 +309,7 @@ def resume_blockers(saved: dict, current: Recipe) -> list[str]:
     if isinstance(saved.get("phases"), list):
         saved = {**saved, "phases": [{**_PHASE_ADDED_DEFAULTS, **ph} if isinstance(ph, dict) else ph
                                      for ph in saved["phases"]]}
+    if isinstance(saved.get("optimizer"), dict):
+        saved = {**saved, "optimizer": {**_OPTIMIZER_ADDED_DEFAULTS, **saved["optimizer"]}}
     walk(saved, now, "")
     return diffs

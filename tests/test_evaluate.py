@@ -15,10 +15,13 @@ from torch import nn
 
 from bert_ds.config import BertConfig, model_preset
 from bert_ds.data.format import Sample, encode_sample, id_dtype_for_vocab
-from bert_ds.data.index import ShardIndex, ShardWriter, shard_name, vocab_sha256
+from bert_ds.data.index import ShardIndex, ShardWriter, shard_name
 from bert_ds.data.loader import build_eval_loader
+from bert_ds.data.tokenizer import read_vocab, vocab_sha256
 from bert_ds.evaluate import evaluate
 from bert_ds.model import IGNORE_INDEX, BertForPreTraining, PretrainingOutput
+from tests.helpers import HANG_GUARD_S
+from tests.helpers.ds_checkpoint import TAG, stage_checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +141,7 @@ def test_two_gloo_ranks_return_the_global_metrics(tmp_path):
 def write_shards(directory: Path, vocab_file: Path, *, num_samples: int, seq_len: int = 32, max_predictions: int = 5,
                  samples_per_shard: int = 16, seed: int = 0) -> ShardIndex:
     """A small shard set over ``vocab_file`` (random token pairs, static masks) in the real on-disk format."""
-    vocab = vocab_file.read_text().splitlines()
+    vocab = read_vocab(vocab_file)
     rng = np.random.default_rng(seed)
     id_dtype = id_dtype_for_vocab(len(vocab))
     cls, sep, mask = vocab.index("[CLS]"), vocab.index("[SEP]"), vocab.index("[MASK]")
@@ -220,10 +223,10 @@ def ds_checkpoint(tmp_path_factory) -> Path:
     """A real ZeRO-2 checkpoint of a tiny model (one gloo rank), written by the exporter's test helper in its own
     process, plus an eval shard set over its tokenizer's vocabulary."""
     out = tmp_path_factory.mktemp("ckpt")
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "export" / "make_ds_checkpoint.py"), str(out),
-                             "--stages", "2"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.ds_checkpoint", str(out), "--stages", "2"],
+                            capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    write_shards(out / "eval", out / "stage2" / "tokenizer" / "vocab.txt", num_samples=21, seq_len=32)
+    write_shards(out / "eval", stage_checkpoint_dir(out, 2) / "tokenizer" / "vocab.txt", num_samples=21, seq_len=32)
     return out
 
 
@@ -236,23 +239,25 @@ def _cli_main():
 
 def test_cli_prints_one_json_line_matching_the_weights(ds_checkpoint):
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), "--checkpoint",
-                             str(ds_checkpoint / "stage2"), "--data", str(ds_checkpoint / "eval"), "--batch-size", "4",
-                             "--kernels", "torch", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+                             str(stage_checkpoint_dir(ds_checkpoint, 2)), "--data", str(ds_checkpoint / "eval"),
+                             "--batch-size", "4", "--kernels", "torch", "--device", "cpu"], capture_output=True,
+                            text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert len(lines) == 1, result.stdout
     got = json.loads(lines[0])
-    assert got["tag"] == "global_step1" and got["samples"] == 21
+    assert got["tag"] == TAG and got["samples"] == 21
 
-    model = BertForPreTraining(BertConfig.load(ds_checkpoint / "stage2" / "model_config.json"), kernels="torch")
+    model = BertForPreTraining(BertConfig.load(stage_checkpoint_dir(ds_checkpoint, 2) / "model_config.json"),
+                               kernels="torch")
     model.load_state_dict(torch.load(ds_checkpoint / "stage2_reference.pt"))
     loader = build_eval_loader(ds_checkpoint / "eval", micro_batch_size=4)
     _assert_close(got, reference_metrics(model, loader))
 
     limited = subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), "--checkpoint",
-                              str(ds_checkpoint / "stage2"), "--tag", "global_step1", "--data",
+                              str(stage_checkpoint_dir(ds_checkpoint, 2)), "--tag", TAG, "--data",
                               str(ds_checkpoint / "eval"), "--batch-size", "4", "--max-batches", "2",
-                              "--kernels", "torch"], capture_output=True, text=True, timeout=300)
+                              "--kernels", "torch"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert limited.returncode == 0, limited.stderr[-3000:]
     assert json.loads(limited.stdout)["samples"] == 8
 
@@ -264,7 +269,7 @@ def test_cli_prints_one_json_line_matching_the_weights(ds_checkpoint):
     ("other_vocab", "vocab_sha256"),
 ])
 def test_cli_bad_input_exits_2(ds_checkpoint, tmp_path, capsys, case, pattern):
-    checkpoint, data, extra = ds_checkpoint / "stage2", ds_checkpoint / "eval", []
+    checkpoint, data, extra = stage_checkpoint_dir(ds_checkpoint, 2), ds_checkpoint / "eval", []
     if case == "no_checkpoint":
         checkpoint = tmp_path / "missing"
     elif case == "bad_tag":
@@ -273,7 +278,7 @@ def test_cli_bad_input_exits_2(ds_checkpoint, tmp_path, capsys, case, pattern):
         data = tmp_path / "missing"
     else:
         other = tmp_path / "vocab.txt"
-        size = len((checkpoint / "tokenizer" / "vocab.txt").read_text().splitlines())
+        size = len(read_vocab(checkpoint / "tokenizer"))
         other.write_text("\n".join(VOCAB[:size]) + "\n")  # same size, different tokens
         data = tmp_path / "other"
         write_shards(data, other, num_samples=4)

@@ -66,7 +66,8 @@ def test_flops_agree_with_the_6NT_rule(preset, seq_len):
     c = model_preset(preset)
     n = _bert_parameter_count(c)
     assert 109e6 < n < 111e6 if preset == "base" else 334e6 < n < 337e6  # paper: ~110M / ~340M
-    # REFERENCE: ≈ 6 × parameters × tokens, plus attention 12 × L × H × seq per token.
+    # Kaplan et al. 2020 (arXiv:2001.08361) §2.1: ≈ 6 × parameters × tokens, plus the attention scores and context
+    # (2 matmuls of seq × seq × H per layer, ×2 FLOPs ×3 for forward+backward) = 12 × L × H × seq per token.
     rule = 6 * n * seq_len + 12 * c.num_hidden_layers * c.hidden_size * seq_len * seq_len
     ours = training_flops_per_sequence(c, seq_len)  # MLM head on every position, as the rule assumes
     assert abs(ours - rule) / rule < 0.03

@@ -13,17 +13,34 @@ from bert_ds.recipe import Recipe, gradient_accumulation_steps, load_recipe, res
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
 
 
+class _DataParallel:
+    """The one ``mpu`` method DeepSpeedConfig asks for: the data-parallel world size."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world_size
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_shipped_recipe_is_valid(path):
+def test_shipped_recipe_is_valid(path, monkeypatch):
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
     recipe = load_recipe(path)
     config = recipe.model_config(vocab_size=30522)
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)  # no process group in this test
     for i, phase in enumerate(recipe.phases):
         assert phase.seq_len <= config.max_position_embeddings
-        for world in (1, 2, 8):
+        for world in (1, 2, 8, 64):
             if phase.global_batch_size % (phase.micro_batch_size * world) == 0:
-                ds = deepspeed_config(recipe, phase, world, "bf16", f"phases[{i}]")
-                assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] *
-                                                  ds["gradient_accumulation_steps"] * world)
+                # DeepSpeed's own config parser (an independent check of the batch arithmetic and of every key we
+                # generate) must accept what bert_ds hands it, for this many data-parallel ranks.
+                ds = DeepSpeedConfig(deepspeed_config(recipe, phase, world, "bf16", f"phases[{i}]"),
+                                     mpu=_DataParallel(world))
+                assert ds.train_batch_size == phase.global_batch_size
+                assert ds.train_micro_batch_size_per_gpu == phase.micro_batch_size
     assert resume_blockers(recipe.to_dict(), recipe) == []
 
 
@@ -132,6 +149,17 @@ def test_resume_blockers_accept_recipes_saved_before_new_phase_fields():
     changed = _tiny()
     changed["phases"][0]["shuffle_window_shards"] = 4  # another data order
     assert resume_blockers(saved, Recipe.from_dict(changed)) == ["phases[0].shuffle_window_shards"]
+
+
+def test_resume_blockers_read_a_missing_trust_ratio_as_the_old_behaviour():
+    # Checkpoints written before optimizer.trust_ratio existed trained with the trust ratio on every tensor ("all").
+    data = _tiny()
+    data["optimizer"]["trust_ratio"] = "all"
+    saved = Recipe.from_dict(data).to_dict()
+    del saved["optimizer"]["trust_ratio"]
+    assert resume_blockers(saved, Recipe.from_dict(data)) == []
+    data["optimizer"]["trust_ratio"] = "decay_only"
+    assert resume_blockers(saved, Recipe.from_dict(data)) == ["optimizer.trust_ratio"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -22,6 +22,10 @@ from bert_ds.data.index import ShardIndex
 from bert_ds.data.loader import DynamicMasking, build_loader
 from bert_ds.data.reader import ShardReader
 from bert_ds.data.synthetic import write_synthetic_shards
+from bert_ds.data.tokenizer import SPECIAL_TOKENS
+
+# The synthetic set stands for a bert_ds vocabulary: special tokens in tokenizer.SPECIAL_TOKENS order ([MASK] = 4).
+SYNTHETIC_IDS = {f"{name}_id": SPECIAL_TOKENS.index(f"[{name.upper()}]") for name in ("cls", "sep", "mask")}
 
 
 def bench_tarfile(data_dir: Path) -> tuple[int, float]:
@@ -67,7 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=300, help="micro batches timed per loader run")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--dynamic-masking", action="store_true", help="also time dynamic masking (15%%)")
+    parser.add_argument("--tokenizer", type=Path, help="the --data-dir set's tokenizer ([MASK] id for dynamic masking)")
     args = parser.parse_args(argv)
+    if args.dynamic_masking and args.data_dir is not None and args.tokenizer is None:
+        parser.error("--dynamic-masking on --data-dir needs --tokenizer (the [MASK] id comes from it)")
 
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = args.data_dir
@@ -75,14 +82,17 @@ def main(argv: list[str] | None = None) -> None:
             data_dir = Path(tmp)
             t0 = time.perf_counter()
             write_synthetic_shards(data_dir, num_samples=args.samples, samples_per_shard=args.samples_per_shard,
-                                   seq_len=128, max_predictions=20)
+                                   seq_len=128, max_predictions=20, **SYNTHETIC_IDS)
             print(f"wrote {args.samples} synthetic samples (seq 128) in {time.perf_counter() - t0:.1f} s")
         index = ShardIndex.load(data_dir)
         print(f"shard set: {len(index.shards)} shards, {index.total_samples} samples, seq_len {index.seq_len}")
         rows = [("tarfile: read every member", *bench_tarfile(data_dir), 1),
                 ("mmap: slice every member", *bench_mmap_slices(data_dir), 1)]
-        vocab = index.vocab_size
-        for dyn in [None, DynamicMasking(vocab_size=vocab)] if args.dynamic_masking else [None]:
+        dynamic = [None]
+        if args.dynamic_masking:
+            dynamic.append(DynamicMasking.from_tokenizer(args.tokenizer) if args.tokenizer is not None else
+                           DynamicMasking(vocab_size=index.vocab_size, mask_id=SYNTHETIC_IDS["mask_id"]))
+        for dyn in dynamic:
             for w in args.workers:
                 n, dt = bench_loader(data_dir, num_workers=w, micro_batch_size=args.micro_batch_size,
                                      batches=args.batches, dynamic=dyn)

@@ -3,7 +3,7 @@
 
     python tools/convert_checkpoint.py --checkpoint RUN_DIR/checkpoints --out hf_model [--tag TAG] [--no-verify]
 
-Exit codes: 0 ok, 1 the reloaded model does not reproduce bert_ds's logits, 2 bad input.
+Exit codes: 0 ok, 1 the reloaded model or tokenizer does not reproduce bert_ds's logits or token ids, 2 bad input.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     parser.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip reloading the output with transformers and comparing logits")
+                        help="skip reloading the output with transformers and comparing logits and token ids")
     args = parser.parse_args(argv)
     try:
         diffs = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, verify=args.verify)
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if diffs is None:
         print(f"wrote {args.out} (not verified)")
     else:
-        print(f"wrote {args.out}; verified against bert_ds: max |MLM logit diff| {diffs[0]:.2e}, "
+        print(f"wrote {args.out}; verified against bert_ds: same token ids, max |MLM logit diff| {diffs[0]:.2e}, "
               f"max |NSP logit diff| {diffs[1]:.2e}")
     return 0
 

@@ -32,7 +32,6 @@ import argparse
 import multiprocessing
 import os
 import random
-import struct
 import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -41,16 +40,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_ds.data.format import MEMBER_SUFFIX, Sample, encode_sample, id_dtype_for_vocab
+from bert_ds.data.format import MEMBER_SUFFIX, Sample, encode_sample, encode_samples, id_dtype_for_vocab
 from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardInfo, ShardWriter, shard_name
 from bert_ds.data.masking import (
     KEEP_PROB,
     MASK_PROB,
     RANDOM_PROB,
-    choose_pair_positions,
     default_max_predictions,
+    mask_packed_pairs,
     mask_tokens,
-    replacement_kinds,
     word_ids_from_pieces,
 )
 from bert_ds.data.pairs import Pair, create_pairs, pair_input_ids, tokenize_documents
@@ -137,13 +135,10 @@ def _tokenizer(directory: str) -> WordPieceTokenizer:
     return _TOKENIZERS[directory]
 
 
-_HEADER = struct.Struct("<HHHBB")  # format.py's record header; tests check the records against encode_sample
-
-
 def _encode_batch(ids: np.ndarray, pairs: list[Pair], rng: np.random.Generator, params: CreateParams, *, cls_id: int,
                   sep_id: int, mask_id: int, vocab_size: int) -> list[bytes]:
-    """Assemble, mask (per token) and encode many pairs with whole-array operations: the same records as
-    ``pair_input_ids`` + ``mask_tokens`` + ``encode_sample`` per sample give, without their per-sample overhead."""
+    """Assemble, mask (per token, ``mask_packed_pairs``) and encode (``encode_samples``) many pairs with whole-array
+    operations, without the per-sample overhead of ``pair_input_ids`` + ``mask_tokens`` + ``encode_sample``."""
     n = len(pairs)
     if n == 0:
         return []
@@ -163,26 +158,12 @@ def _encode_batch(ids: np.ndarray, pairs: list[Pair], rng: np.random.Generator, 
     np.cumsum(seg_len[:-1], out=seg_off[1:])
     flat = ext[np.repeat(seg_start - seg_off, seg_len) + np.arange(int(starts[-1]))]
 
-    num, pos = choose_pair_positions(la, lb, rng, max_predictions=params.max_predictions,
-                                     masked_lm_prob=params.masked_lm_prob)
-    valid = pos >= 0
-    gpos = pos + starts[:-1, None]
-    to_mask, to_random = replacement_kinds(pos.shape, rng)
-    original = flat[gpos[valid]]
-    masked = flat.copy()
-    masked[gpos[valid & to_mask]] = mask_id
-    rand_at = gpos[valid & to_random]
-    masked[rand_at] = rng.integers(0, vocab_size, size=rand_at.shape[0])
-
-    w = ids.dtype.itemsize
-    ids_bytes, pos_bytes, orig_bytes = masked.tobytes(), pos[valid].astype("<u2").tobytes(), original.tobytes()
+    masked, num, positions, original = mask_packed_pairs(
+        flat, starts[:-1], la, lb, rng, max_predictions=params.max_predictions, vocab_size=vocab_size,
+        mask_id=mask_id, masked_lm_prob=params.masked_lm_prob)
     pstart = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(num, out=pstart[1:])
-    s, p = starts.tolist(), pstart.tolist()
-    pack = _HEADER.pack
-    return [b"".join((pack(s[i + 1] - s[i], la_i + 2, p[i + 1] - p[i], label, 0), ids_bytes[s[i] * w:s[i + 1] * w],
-                      pos_bytes[p[i] * 2:p[i + 1] * 2], orig_bytes[p[i] * w:p[i + 1] * w]))
-            for i, (la_i, label) in enumerate(zip(la.tolist(), labels.tolist(), strict=True))]
+    return encode_samples(masked, starts, la + 2, positions, pstart, original, labels, ids.dtype)
 
 
 def shard_index(chunk: int, dupe: int, dupe_factor: int) -> int:

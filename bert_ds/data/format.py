@@ -28,7 +28,7 @@ import numpy as np
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MEMBER_SUFFIX", "Sample", "id_dtype_for_vocab", "encode_sample",
-    "decode_sample",
+    "encode_samples", "decode_sample",
 ]
 
 FORMAT_NAME = "bert_ds.pairs"
@@ -65,17 +65,52 @@ class Sample:
         return ids
 
 
+def _record(length: int, segment_a_length: int, predictions: int, nsp_label: int, input_ids: bytes,
+            masked_positions: bytes, masked_ids: bytes) -> bytes:
+    """The layout of the module docstring: the header, then the three arrays' bytes."""
+    return b"".join((_HEADER.pack(length, segment_a_length, predictions, nsp_label, 0), input_ids, masked_positions,
+                     masked_ids))
+
+
+def _refuse(i: int, length: int, segment_a_length: int, predictions: int) -> None:
+    raise ValueError(f"bad sample {i}: length={length} segment_a_length={segment_a_length} predictions={predictions} "
+                     f"(need 0 < segment_a_length < length <= 65535, predictions <= 65535)")
+
+
 def encode_sample(sample: Sample, id_dtype: np.dtype) -> bytes:
+    """One ``.pair`` record (many at once: :func:`encode_samples`)."""
     n, p = sample.length, int(sample.masked_positions.shape[0])
-    if not 0 < sample.segment_a_length < n or n > 65535:
-        raise ValueError(f"bad sample: length={n} segment_a_length={sample.segment_a_length}")
-    header = _HEADER.pack(n, sample.segment_a_length, p, int(sample.nsp_label), 0)
-    return b"".join((
-        header,
-        np.ascontiguousarray(sample.input_ids, dtype=id_dtype).tobytes(),
-        np.ascontiguousarray(sample.masked_positions, dtype="<u2").tobytes(),
-        np.ascontiguousarray(sample.masked_ids, dtype=id_dtype).tobytes(),
-    ))
+    if not 0 < sample.segment_a_length < n <= 65535 or p > 65535:
+        _refuse(0, n, sample.segment_a_length, p)
+    return _record(n, sample.segment_a_length, p, int(sample.nsp_label),
+                   np.ascontiguousarray(sample.input_ids, dtype=id_dtype).tobytes(),
+                   np.ascontiguousarray(sample.masked_positions, dtype="<u2").tobytes(),
+                   np.ascontiguousarray(sample.masked_ids, dtype=id_dtype).tobytes())
+
+
+def encode_samples(input_ids: np.ndarray, offsets: np.ndarray, segment_a_lengths: np.ndarray,
+                   masked_positions: np.ndarray, masked_offsets: np.ndarray, masked_ids: np.ndarray,
+                   nsp_labels: np.ndarray, id_dtype: np.dtype) -> list[bytes]:
+    """The ``.pair`` records of many samples given end to end in flat arrays, as shard creation builds them.
+
+    Sample i is ``input_ids[offsets[i]:offsets[i + 1]]`` (masked), ``segment_a_lengths[i]``, its prediction slots
+    ``masked_positions`` / ``masked_ids`` ``[masked_offsets[i]:masked_offsets[i + 1]]`` and ``nsp_labels[i]``. The
+    arrays are converted to bytes once and sliced per record: per-sample ``tobytes`` calls would cost more than the
+    masking that produced them."""
+    lengths, counts = np.diff(offsets), np.diff(masked_offsets)
+    seg_a = np.asarray(segment_a_lengths, dtype=np.int64)
+    bad = np.flatnonzero((seg_a <= 0) | (seg_a >= lengths) | (lengths > 65535) | (counts > 65535))
+    if bad.shape[0]:
+        i = int(bad[0])
+        _refuse(i, int(lengths[i]), int(seg_a[i]), int(counts[i]))
+    w = id_dtype.itemsize
+    ids_bytes = np.ascontiguousarray(input_ids, dtype=id_dtype).tobytes()
+    pos_bytes = np.ascontiguousarray(masked_positions, dtype="<u2").tobytes()
+    orig_bytes = np.ascontiguousarray(masked_ids, dtype=id_dtype).tobytes()
+    s, p = np.asarray(offsets).tolist(), np.asarray(masked_offsets).tolist()
+    return [_record(s[i + 1] - s[i], a, p[i + 1] - p[i], label, ids_bytes[s[i] * w:s[i + 1] * w],
+                    pos_bytes[p[i] * 2:p[i + 1] * 2], orig_bytes[p[i] * w:p[i + 1] * w])
+            for i, (a, label) in enumerate(zip(seg_a.tolist(), np.asarray(nsp_labels).tolist(), strict=True))]
 
 
 def decode_sample(data: bytes | memoryview, id_dtype: np.dtype, *, where: str = "sample") -> Sample:

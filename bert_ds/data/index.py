@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bert_ds.data.format import FORMAT_NAME, FORMAT_VERSION
+from bert_ds.data.tokenizer import vocab_sha256  # the tokenizer stage owns vocab.txt; kept importable from here
 
 __all__ = ["INDEX_NAME", "ShardInfo", "ShardIndex", "ShardWriter", "vocab_sha256", "file_sha256", "shard_name"]
 
@@ -23,14 +24,6 @@ INDEX_NAME = "index.json"
 
 def shard_name(i: int) -> str:
     return f"shard-{i:06d}.tar"
-
-
-def vocab_sha256(vocab_file: str | Path) -> str:
-    """Hash of the vocabulary's token list (one token per line, line endings and trailing blank lines ignored)."""
-    tokens = Path(vocab_file).read_text(encoding="utf-8").splitlines()
-    while tokens and tokens[-1] == "":
-        tokens.pop()
-    return hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:

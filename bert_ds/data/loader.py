@@ -69,6 +69,7 @@ from bert_ds.data.format import Sample
 from bert_ds.data.index import ShardIndex
 from bert_ds.data.masking import counter_hash, default_max_predictions, mask_pairs, mask_tokens, word_ids_from_pieces
 from bert_ds.data.reader import ShardError, ShardReader
+from bert_ds.data.tokenizer import continuation_table, load_tokenizer, read_vocab
 
 __all__ = [
     "DynamicMasking", "EpochOrder", "ShardLoader", "EvalLoader", "build_loader", "build_eval_loader",
@@ -90,38 +91,24 @@ _TAG_MASK = 0x4D41534B  # keys of the batched dynamic masking: counter_hash(_TAG
 
 
 # --------------------------------------------------------------------------------------------------------- masking
-def continuation_table(vocab: str | Path) -> np.ndarray:
-    """Boolean table over token ids: True for WordPiece continuation pieces (``##...``).
-
-    ``vocab`` is a tokenizer directory holding ``vocab.txt`` or the ``vocab.txt`` file itself."""
-    path = Path(vocab)
-    if path.is_dir():
-        path = path / "vocab.txt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no WordPiece vocab.txt (needed for whole-word masking)")
-    tokens = path.read_text(encoding="utf-8").splitlines()
-    while tokens and tokens[-1] == "":
-        tokens.pop()
-    return np.fromiter((t.startswith("##") for t in tokens), dtype=bool, count=len(tokens))
-
-
-@dataclass
+@dataclass(kw_only=True)
 class DynamicMasking:
     """Re-mask every sample each epoch from its stored original tokens (instead of the static masks in the shards).
 
     ``whole_word`` masks all pieces of a word together; it needs the vocabulary to know which tokens continue a
-    word: pass ``vocab`` (tokenizer dir or vocab.txt) or ``continuation`` (one bool per token id)."""
+    word: pass ``vocab`` (tokenizer dir or vocab.txt) or ``continuation`` (one bool per token id). Usually built by
+    :meth:`from_tokenizer`, which takes every id from the tokenizer."""
 
     vocab_size: int
     """Size of the WordPiece vocabulary (random replacements are drawn from it); must match index.json."""
+    mask_id: int
+    """Id of [MASK]; no default: it is 4 in bert_ds vocabularies and 103 in Google's, so it comes from the tokenizer."""
     masked_lm_prob: float = 0.15
     """Fraction of maskable tokens to predict (BERT paper: 0.15; MosaicBERT: 0.30)."""
     max_predictions: int | None = None
     """Cap on predictions per sample; None -> the larger of Google's default (20 at 128, 80 at 512) and
     ceil(seq_len * masked_lm_prob)."""
     whole_word: bool = False
-    mask_id: int = 103
-    """[MASK] in Google's uncased vocab."""
     vocab: str | Path | None = None
     continuation: Sequence[bool] | np.ndarray | None = None
 
@@ -139,7 +126,7 @@ class DynamicMasking:
                 raise ValueError("DynamicMasking.whole_word=True needs 'vocab' (tokenizer dir or vocab.txt) "
                                  "or 'continuation' (a bool per token id)")
             if self.continuation is None:
-                self.continuation = continuation_table(self.vocab)
+                self.continuation = continuation_table(read_vocab(self.vocab))
             self.continuation = np.asarray(self.continuation, dtype=bool)
             if self.continuation.shape != (self.vocab_size,):
                 raise ValueError(f"DynamicMasking.continuation has {self.continuation.shape[0]} entries but "
@@ -148,8 +135,6 @@ class DynamicMasking:
     @classmethod
     def from_tokenizer(cls, tokenizer_dir: str | Path, **kwargs) -> DynamicMasking:
         """Take ``vocab_size``, ``mask_id`` and (for whole-word masking) the continuation table from a tokenizer."""
-        from bert_ds.data.tokenizer import load_tokenizer
-
         tok = load_tokenizer(tokenizer_dir)
         return cls(vocab_size=tok.vocab_size, mask_id=tok.mask_id, continuation=tok.continuation_table(), **kwargs)
 
@@ -298,6 +283,8 @@ class _Collator:
         batch measured here, more than building it), while one small array goes through the pipe in ~0.4 ms;
         int32 halves the bytes (token ids < 2**31). :meth:`unpack` widens to int64 in the consumer."""
         b, p = len(global_ids), self.max_predictions
+        # Zero padding in every field. For input_ids the pad value is no token id anyone relies on: padded positions
+        # have attention_mask 0 and no label, so whatever id they hold reaches neither the loss nor another position.
         flat = np.zeros(b * self.row_width(), dtype=np.int32)
         input_ids, token_type, attention, positions, labels, nsp, lengths = self._views(flat, b)
         labels.fill(IGNORE_INDEX)

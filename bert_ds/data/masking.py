@@ -1,6 +1,8 @@
 """Masked-LM masking (BERT paper §3.1, Google's ``create_masked_lm_predictions``), vectorised with numpy.
 
-Used both when shards are created (static masking, one mask per duplicate) and by the loader (dynamic masking).
+Used both when shards are created (static masking, one mask per duplicate) and by the loader (dynamic masking). Every
+path chooses positions its own way (per sample, batched, counter-based) and then hands them to
+:func:`replace_chosen`, the one place the 80/10/10 replacement rule is applied.
 """
 
 from __future__ import annotations
@@ -8,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["MASK_PROB", "RANDOM_PROB", "KEEP_PROB", "default_max_predictions", "num_predictions",
-           "prediction_counts", "word_ids_from_pieces", "mask_tokens", "choose_pair_positions", "pair_positions",
-           "replacement_kinds", "counter_hash", "counter_uniforms", "mask_pairs"]
+           "prediction_counts", "word_ids_from_pieces", "replace_chosen", "mask_tokens", "choose_pair_positions",
+           "pair_positions", "mask_packed_pairs", "counter_hash", "counter_uniforms", "mask_pairs"]
 
 # BERT paper §3.1: of the chosen tokens 80% become [MASK], 10% a random token, 10% stay unchanged.
 MASK_PROB = 0.8
@@ -43,14 +45,32 @@ def word_ids_from_pieces(ids: np.ndarray, is_continuation: np.ndarray) -> np.nda
     return np.cumsum(~is_continuation[ids], dtype=np.int64)
 
 
+def replace_chosen(ids: np.ndarray, at: np.ndarray, u: np.ndarray, *, mask_id: int, vocab_size: int,
+                   random_tokens: np.random.Generator | np.ndarray) -> None:
+    """BERT paper §3.1 / Appendix A.1 on the chosen positions ``ids[at]``, in place: where ``u < 0.8`` [MASK], where
+    ``u >= 0.9`` a token drawn uniformly from the whole vocabulary (specials included, as Google's code), else the
+    token stays. The one implementation of the rule: static and dynamic masking all call it.
+
+    ids: 1-D (a batch passes its flat view); at: int positions into it; u: one uniform in [0, 1) per position.
+    random_tokens: a Generator draws ``integers(0, vocab_size)`` for just the positions that need one, in order, after
+    ``u`` was drawn (the sequential streams of shard creation); an array of uniforms, one per position, gives
+    ``floor(u * vocab_size)`` (counter-based masking, where every slot has its own uniforms; biased by at most
+    vocab_size / 2**53)."""
+    ids[at[u < MASK_PROB]] = mask_id
+    to_random = u >= MASK_PROB + KEEP_PROB
+    if isinstance(random_tokens, np.random.Generator):
+        count = int(np.count_nonzero(to_random))
+        if count:
+            ids[at[to_random]] = random_tokens.integers(0, vocab_size, size=count)
+    else:
+        ids[at[to_random]] = (random_tokens[to_random] * vocab_size).astype(np.int64)
+
+
 def _apply(ids: np.ndarray, positions: np.ndarray, rng: np.random.Generator, vocab_size: int,
            mask_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     masked = ids.copy()
-    u = rng.random(positions.shape[0])
-    masked[positions[u < MASK_PROB]] = mask_id
-    rand = positions[u >= MASK_PROB + KEEP_PROB]  # the last 10%: a random token from the whole vocabulary, as Google
-    if rand.shape[0]:
-        masked[rand] = rng.integers(0, vocab_size, size=rand.shape[0])
+    replace_chosen(masked, positions, rng.random(positions.shape[0]), mask_id=mask_id, vocab_size=vocab_size,
+                   random_tokens=rng)
     return masked, positions, ids[positions]
 
 
@@ -149,10 +169,23 @@ def pair_positions(len_a: np.ndarray, len_b: np.ndarray, counts: np.ndarray, u: 
     return np.where(valid, positions, -1)
 
 
-def replacement_kinds(shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """BERT's 80/10/10 for chosen positions -> (to_mask, to_random) boolean arrays; the rest stay unchanged."""
-    u = rng.random(shape)
-    return u < MASK_PROB, u >= MASK_PROB + KEEP_PROB
+def mask_packed_pairs(flat: np.ndarray, starts: np.ndarray, len_a: np.ndarray, len_b: np.ndarray,
+                      rng: np.random.Generator, *, max_predictions: int, vocab_size: int, mask_id: int,
+                      masked_lm_prob: float = 0.15) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Static per-token masking of ``[CLS] A [SEP] B [SEP]`` rows packed end to end in ``flat`` (row i starts at
+    ``starts[i]``; shard creation): positions by :func:`choose_pair_positions`, then :func:`replace_chosen`.
+
+    -> (masked flat, counts (n,), positions (counts.sum(),) int64 within their row, ascending per row, original ids
+    at them). The draws, in order: the positions' uniforms, one uniform per (row, slot) including the padded slots,
+    then the random tokens; the shard bytes depend on that order."""
+    counts, pos = choose_pair_positions(len_a, len_b, rng, max_predictions=max_predictions,
+                                        masked_lm_prob=masked_lm_prob)
+    valid = pos >= 0
+    at = (pos + np.asarray(starts, dtype=np.int64)[:, None])[valid]
+    u = rng.random(pos.shape)[valid]
+    masked = flat.copy()
+    replace_chosen(masked, at, u, mask_id=mask_id, vocab_size=vocab_size, random_tokens=rng)
+    return masked, counts, pos[valid], flat[at]
 
 
 # ---- counter-based randomness (dynamic masking in the loader) -------------------------------------------------------
@@ -210,11 +243,8 @@ def mask_pairs(ids: np.ndarray, segment_a_lengths: np.ndarray, lengths: np.ndarr
     rows = np.broadcast_to(np.arange(n)[:, None], positions.shape)
     at = np.where(valid, positions, 0)
     original = np.where(valid, ids[rows, at], 0)
-    masked = ids.copy()
-    kind = u[:, :, 1]  # BERT paper §3.1: < 0.8 [MASK], >= 0.9 random, else unchanged (as mask_tokens' _apply)
-    to_mask, to_random = valid & (kind < MASK_PROB), valid & (kind >= MASK_PROB + KEEP_PROB)
-    masked[rows[to_mask], at[to_mask]] = mask_id
-    # floor(u * vocab): a uniform token id up to a bias of vocab_size / 2**53
-    tokens = (u[:, :, 2] * vocab_size).astype(np.int64)
-    masked[rows[to_random], at[to_random]] = tokens[to_random]
+    masked = np.array(ids, order="C")  # a copy whose flat view replace_chosen writes through
+    flat_at = (rows * ids.shape[1] + at)[valid]
+    replace_chosen(masked.reshape(-1), flat_at, u[:, :, 1][valid], mask_id=mask_id, vocab_size=vocab_size,
+                   random_tokens=u[:, :, 2][valid])
     return masked, positions, original

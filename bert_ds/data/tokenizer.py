@@ -7,11 +7,16 @@ directory holding only Google's ``vocab.txt`` works everywhere a tokenizer direc
 BERT's: ``BertNormalizer`` (clean text, CJK spacing, lowercase + strip accents unless cased), ``BertPreTokenizer``
 (whitespace and punctuation), WordPiece with ``##`` continuations, which is what ``transformers.BertTokenizerFast``
 builds from the same vocab.
+
+This module is the one reader of a tokenizer directory: :func:`read_vocab` (the token list, see it for the line
+rule), :func:`read_lowercase` (the lowercase flag) and :func:`vocab_sha256` (the hash ``index.json`` records); the
+loader, the shard index and the exporter ask here instead of parsing the files themselves.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import re
@@ -23,10 +28,9 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from bert_ds.data.index import vocab_sha256
-
 __all__ = [
-    "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "train_tokenizer", "load_tokenizer", "main",
+    "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "read_vocab", "read_lowercase", "vocab_sha256",
+    "tokens_sha256", "continuation_table", "train_tokenizer", "load_tokenizer", "main",
 ]
 
 # [PAD] first so that its id is 0, as in Google's vocabularies and BertConfig.pad_token_id.
@@ -34,6 +38,76 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 VOCAB_NAME = "vocab.txt"
 META_NAME = "tokenizer_meta.json"
 _HF_CONFIG_NAME = "tokenizer_config.json"
+
+
+def read_vocab(path: str | Path) -> list[str]:
+    """The tokens of a ``vocab.txt`` (or of the one in tokenizer directory ``path``); a token's id is its line number.
+
+    The line rule is the one of ``tokenizers``' ``WordPiece.from_file`` (0.23) and ``transformers``'
+    ``BertTokenizer`` / ``load_vocab`` (5.x), checked against both: lines end at ``\\n`` (a ``\\r`` before it is
+    dropped), a final newline ends the last line and adds no token, and every other line is a token, a blank one
+    included (the empty token, at that line's id). So a file ending in a blank line has one token more than its
+    non-blank lines, for bert_ds and for Hugging Face alike. A token on two lines is refused: Hugging Face keeps only
+    its last id, so its vocabulary would be smaller than the line count and skip an id."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / VOCAB_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no WordPiece {VOCAB_NAME} (one token per line)")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 at byte {exc.start}") from exc
+    if not text:
+        raise ValueError(f"{path}: empty vocabulary")
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the final newline ends the last line
+    tokens = [line[:-1] if line.endswith("\r") else line for line in lines]
+    first_line: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if token in first_line:
+            raise ValueError(f"{path}: token {token!r} on line {first_line[token] + 1} and again on line {i + 1}; "
+                             f"ids are line numbers, so every line must hold a different token")
+        first_line[token] = i
+    return tokens
+
+
+def tokens_sha256(tokens: Sequence[str]) -> str:
+    """Hash of a token list (one token per line, without the final newline): what ``index.json`` records."""
+    return hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
+
+
+def vocab_sha256(vocab_file: str | Path) -> str:
+    """Hash of the tokens of a ``vocab.txt`` (read by :func:`read_vocab`, so CRLF and LF files hash alike)."""
+    return tokens_sha256(read_vocab(vocab_file))
+
+
+def continuation_table(tokens: Sequence[str]) -> np.ndarray:
+    """(len(tokens),) bool: True for ``##`` word pieces, which belong to the word before them (whole-word masking)."""
+    return np.fromiter((t.startswith("##") for t in tokens), dtype=bool, count=len(tokens))
+
+
+def read_lowercase(directory: str | Path) -> bool:
+    """The lowercase flag of a tokenizer directory: ``tokenizer_meta.json`` ``lowercase``, else a Hugging Face
+    ``tokenizer_config.json`` ``do_lower_case``, else True (a bare ``vocab.txt``, e.g. Google's uncased release, as
+    ``BertTokenizer``'s default)."""
+    directory = Path(directory)
+    for name, key in ((META_NAME, "lowercase"), (_HF_CONFIG_NAME, "do_lower_case")):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        if key not in config and name == _HF_CONFIG_NAME:
+            continue  # an HF config need not record it: the default below is HF's own
+        value = config.get(key)
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: field '{key}' must be true or false, got {value!r}")
+        return value
+    return True
 
 
 @dataclass
@@ -70,7 +144,7 @@ class WordPieceTokenizer:
 
     @property
     def vocab_sha256(self) -> str:
-        return vocab_sha256(self.vocab_file)
+        return tokens_sha256(self.vocab)
 
     def token_id(self, token: str) -> int:
         tid = self.tokenizer.token_to_id(token)
@@ -100,7 +174,7 @@ class WordPieceTokenizer:
 
     def continuation_table(self) -> np.ndarray:
         """(vocab_size,) bool: True for ``##`` word pieces, which belong to the word before them (whole-word mask)."""
-        return np.fromiter((t.startswith("##") for t in self.vocab), dtype=bool, count=len(self.vocab))
+        return continuation_table(self.vocab)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one text, without [CLS]/[SEP]."""
@@ -204,36 +278,19 @@ def _nonempty(texts: Iterable[str]) -> Iterator[str]:
     return (t for t in texts if t.strip())
 
 
-def _read_lowercase(directory: Path) -> bool:
-    meta = directory / META_NAME
-    if meta.is_file():
-        value = json.loads(meta.read_text()).get("lowercase")
-        if not isinstance(value, bool):
-            raise ValueError(f"{meta}: field 'lowercase' must be true or false, got {value!r}")
-        return value
-    hf = directory / _HF_CONFIG_NAME  # a Hugging Face tokenizer directory records it as do_lower_case
-    if hf.is_file():
-        value = json.loads(hf.read_text()).get("do_lower_case")
-        if isinstance(value, bool):
-            return value
-    return True  # a bare vocab.txt (e.g. Google's uncased release): uncased, as BertTokenizer's default
-
-
 def load_tokenizer(directory: str | Path) -> WordPieceTokenizer:
-    """Load a tokenizer directory; only ``vocab.txt`` is required (uncased unless ``tokenizer_meta.json`` says)."""
+    """Load a tokenizer directory; only ``vocab.txt`` is required (lowercase flag: :func:`read_lowercase`)."""
     directory = Path(directory)
     vocab_file = directory / VOCAB_NAME
     if not vocab_file.is_file():
         what = "does not exist" if not directory.exists() else f"has no {VOCAB_NAME}"
         raise FileNotFoundError(f"tokenizer directory {directory} {what}; train one with bert-ds-train-tokenizer or "
                                 f"point to a directory holding a BERT {VOCAB_NAME}")
-    vocab = vocab_file.read_text(encoding="utf-8").splitlines()
-    while vocab and vocab[-1] == "":
-        vocab.pop()
+    vocab = read_vocab(vocab_file)
     missing = [t for t in SPECIAL_TOKENS if t not in set(vocab)]
     if missing:
         raise ValueError(f"{vocab_file}: special token(s) {missing} missing from the vocabulary")
-    lowercase = _read_lowercase(directory)
+    lowercase = read_lowercase(directory)
     tok = _bert_pipeline({t: i for i, t in enumerate(vocab)}, lowercase)
     inner: Tokenizer = tok._tokenizer
     inner.no_truncation()

@@ -1,105 +1,57 @@
-"""DeepSpeed checkpoint -> verified Hugging Face directory.
+"""bert_ds checkpoint -> verified Hugging Face directory.
 
-Layout read (written by the training engine): ``CHECKPOINT_DIR/latest`` (newest complete tag), ``CHECKPOINT_DIR/<tag>/``
-(DeepSpeed files, any ZeRO stage), ``CHECKPOINT_DIR/model_config.json`` and ``CHECKPOINT_DIR/tokenizer/``.
+The run directory is read through :mod:`bert_ds.checkpoint`, its one owner (tag and ``latest`` resolution, model
+config, the tokenizer copied beside the tags, consolidation of any ZeRO stage); this module converts and verifies.
+Verification reloads the output with transformers and checks both halves of what a user gets: the logits of the model
+and the token ids of the tokenizer, against bert_ds's own model and tokenizer.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bert_ds.checkpoint import RUN_STATE_NAME, parse_tag
+from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint
 from bert_ds.config import BertConfig
-from bert_ds.export.hf import HF_ARCHITECTURE, export_model, tokenizer_vocab_size
+from bert_ds.data.tokenizer import WordPieceTokenizer
+from bert_ds.export.hf import HF_ARCHITECTURE, export_model, load_training_tokenizer
 from bert_ds.export.keymap import ExportError
 
-__all__ = ["VerificationError", "CheckpointRef", "find_checkpoint", "consolidate_checkpoint", "verify_export",
-           "convert_checkpoint"]
+__all__ = ["VERIFY_ATOL", "VERIFY_TEXT", "VerificationError", "CheckpointRef", "find_checkpoint",
+           "consolidate_checkpoint", "verify_tokenizer", "verify_export", "convert_checkpoint"]
 
 VERIFY_ATOL = 1e-4
 """Max abs logit difference allowed between bert_ds and the reloaded HF model (fp32, CPU)."""
 
+VERIFY_TEXT = ("Hello, WORLD! The Café's naïve résumé: Señor O'Brien paid $42.50 (déjà vu?) — "
+               "ÜBER-cool façades; 東京 & Zürich... it's DONE.")
+"""Sample the exported tokenizer must split exactly as bert_ds does: mixed case and accents (lowercasing and accent
+stripping differ between cased and uncased), punctuation, a dash, CJK characters (split one per token)."""
+
+_VOCAB_SAMPLE_WORDS = 256
+
 
 class VerificationError(RuntimeError):
-    """The exported model does not reproduce bert_ds's logits."""
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    checkpoint_dir: Path
-    tag: str
-    config: BertConfig
-    tokenizer_dir: Path
-
-
-def _available_tags(checkpoint_dir: Path) -> list[str]:
-    # Leaves out bert_ds's in-progress save directories (``<tag>.tmp``, ``.<tag>.old``).
-    return sorted(p.name for p in checkpoint_dir.iterdir()
-                  if p.is_dir() and not p.name.endswith(".tmp") and not p.name.startswith(".")
-                  and any(p.glob("*model_states.pt")))
-
-
-def _complete_tags(checkpoint_dir: Path) -> list[str]:
-    return [t for t in _available_tags(checkpoint_dir)
-            if parse_tag(t) is None or (checkpoint_dir / t / RUN_STATE_NAME).is_file()]
+    """The exported model or tokenizer does not reproduce bert_ds's logits or token ids."""
 
 
 def find_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> CheckpointRef:
     """Resolve the tag (``latest`` unless given) and check everything the export needs is there."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise ExportError(f"{checkpoint_dir}: not a directory")
-    tags = _available_tags(checkpoint_dir)
-    if tag is None:
-        latest = checkpoint_dir / "latest"
-        if not latest.is_file():
-            if tags:
-                raise ExportError(f"{checkpoint_dir}: no 'latest' file (the newest checkpoint may be incomplete); "
-                                  f"pass --tag, available: {tags}")
-            raise ExportError(f"{checkpoint_dir}: no DeepSpeed checkpoint here (no 'latest' file, no tag directories)")
-        tag = latest.read_text().strip()
-    elif tag in tags and parse_tag(tag) is not None and not (checkpoint_dir / tag / RUN_STATE_NAME).is_file():
-        # The training engine writes run_state.json last, after every rank finished (bert_ds.checkpoint); tags of
-        # other DeepSpeed programs carry no such marker and are taken as they are.
-        raise ExportError(f"{checkpoint_dir / tag}: no run_state.json, so this checkpoint is incomplete (a save "
-                          f"that did not finish); pick a complete tag, available: {_complete_tags(checkpoint_dir)}")
-    if tag not in tags:
-        raise ExportError(f"{checkpoint_dir}: checkpoint tag {tag!r} not found; available: {tags or 'none'}")
-    config_path = checkpoint_dir / "model_config.json"
-    if not config_path.is_file():
-        raise ExportError(f"{config_path}: missing (the training engine saves the model config beside the tags)")
-    config = BertConfig.load(config_path)
-    tokenizer_dir = checkpoint_dir / "tokenizer"
-    size = tokenizer_vocab_size(tokenizer_dir)
-    if size != config.vocab_size:
-        raise ExportError(f"{config_path}: vocab_size={config.vocab_size} but {tokenizer_dir / 'vocab.txt'} has "
-                          f"{size} tokens")
-    return CheckpointRef(checkpoint_dir, tag, config, tokenizer_dir)
+    try:
+        return open_checkpoint(checkpoint_dir, tag)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def consolidate_checkpoint(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-    """One fp32 state dict from the (possibly partitioned) checkpoint, via DeepSpeed's own zero_to_fp32.
-
-    ZeRO stages 1-3 keep the fp32 master weights in ``*_optim_states.pt`` partitions, which zero_to_fp32 merges.
-    Stage 0 writes no partitions: the module weights in ``mp_rank_00_model_states.pt`` are then the full model
-    (they are the fp32 weights when training in fp32; with fp16/bf16 they are the half-precision copies)."""
-    tag_dir = ref.checkpoint_dir / ref.tag
-    if any(tag_dir.glob("*_optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ref.checkpoint_dir), tag=ref.tag)
-    else:
-        model_states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-        if len(model_states) != 1:
-            raise ExportError(f"{tag_dir}: expected one mp_rank_*_model_states.pt without ZeRO partitions, found "
-                              f"{[p.name for p in model_states]} (tensor/pipeline-parallel checkpoints unsupported)")
-        state = torch.load(model_states[0], map_location="cpu", weights_only=False)["module"]
-    return {name: tensor.float() for name, tensor in state.items()}
+    """One fp32 state dict from the checkpoint, any ZeRO stage (:func:`bert_ds.checkpoint.consolidated_state_dict`)."""
+    try:
+        return consolidated_state_dict(ref.checkpoint_dir, ref.tag)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def _verification_batch(config: BertConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,10 +65,42 @@ def _verification_batch(config: BertConfig, seed: int = 0) -> tuple[torch.Tensor
     return input_ids, token_type_ids, attention_mask
 
 
-def verify_export(hf_dir: str | Path, state_dict: dict[str, torch.Tensor], config: BertConfig,
-                  atol: float = VERIFY_ATOL) -> tuple[float, float]:
-    """Reload ``hf_dir`` with transformers and compare MLM and NSP logits with bert_ds (fp32, dropout off).
-    Returns the max abs differences; raises :class:`VerificationError` above ``atol``."""
+def _verification_texts(tokenizer: WordPieceTokenizer) -> list[str]:
+    """The fixed sample, plus whole words of the vocabulary itself as written and upper-cased: a small or
+    domain-specific vocabulary may turn all of the fixed sample into [UNK] under either casing, but its own words
+    tokenize differently when the exported casing is not training's."""
+    words = [t for t in tokenizer.vocab if t and not t.startswith("##") and not (t.startswith("[") and t.endswith("]"))]
+    sample = " ".join(words[::max(1, len(words) // _VOCAB_SAMPLE_WORDS)])
+    return [VERIFY_TEXT, sample, sample.upper()] if sample else [VERIFY_TEXT]
+
+
+def verify_tokenizer(hf_dir: str | Path, tokenizer_dir: str | Path) -> int:
+    """Reload ``hf_dir``'s tokenizer with ``transformers.AutoTokenizer`` and compare its ids with bert_ds's tokenizer
+    from ``tokenizer_dir`` on :data:`VERIFY_TEXT` and a sample of the vocabulary's words, [CLS]/[SEP] included.
+    Returns the number of ids compared; raises :class:`VerificationError` at the first difference."""
+    import transformers
+
+    ours = load_training_tokenizer(tokenizer_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    if len(theirs) != ours.vocab_size:
+        raise VerificationError(f"{hf_dir}: tokenizer has {len(theirs)} tokens, bert_ds's {ours.vocab_file} has "
+                                f"{ours.vocab_size}")
+    compared = 0
+    for text in _verification_texts(ours):
+        want = [ours.cls_id, *ours.encode(text), ours.sep_id]
+        got = theirs(text)["input_ids"]
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            raise VerificationError(
+                f"{hf_dir}: the exported tokenizer splits {text[:60]!r}... unlike bert_ds ({ours.directory}, "
+                f"lowercase={ours.lowercase}): from token {at}, HF ids {got[at:at + 6]} vs bert_ds {want[at:at + 6]} "
+                f"({len(got)} vs {len(want)} ids)")
+        compared += len(want)
+    return compared
+
+
+def _verify_logits(hf_dir: str | Path, state_dict: dict[str, torch.Tensor], config: BertConfig,
+                   atol: float) -> tuple[float, float]:
     import transformers
 
     from bert_ds.model import BertForPreTraining
@@ -127,10 +111,6 @@ def verify_export(hf_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
     theirs = transformers.BertForPreTraining.from_pretrained(hf_dir, dtype=torch.float32).eval()
     if theirs.config.architectures != [HF_ARCHITECTURE]:
         raise VerificationError(f"{hf_dir}: config.json architectures={theirs.config.architectures}")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    if len(tokenizer) != config.vocab_size:
-        raise VerificationError(f"{hf_dir}: tokenizer has {len(tokenizer)} tokens, model vocab_size="
-                                f"{config.vocab_size}")
     input_ids, token_type_ids, attention_mask = _verification_batch(config)
     with torch.no_grad():
         mlm, nsp = ours.logits(input_ids, token_type_ids, attention_mask)
@@ -142,6 +122,15 @@ def verify_export(hf_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
         raise VerificationError(f"{hf_dir}: reloaded HF model disagrees with bert_ds: max |MLM logit diff| "
                                 f"{mlm_diff:.3g}, max |NSP logit diff| {nsp_diff:.3g} (allowed {atol:g})")
     return mlm_diff, nsp_diff
+
+
+def verify_export(hf_dir: str | Path, state_dict: dict[str, torch.Tensor], config: BertConfig,
+                  tokenizer_dir: str | Path, atol: float = VERIFY_ATOL) -> tuple[float, float]:
+    """Reload ``hf_dir`` with transformers: its tokenizer must give bert_ds's ids (:func:`verify_tokenizer`), its model
+    bert_ds's MLM and NSP logits (fp32, dropout off). Returns the max abs logit differences; raises
+    :class:`VerificationError` on a tokenizer difference or a logit difference above ``atol``."""
+    verify_tokenizer(hf_dir, tokenizer_dir)
+    return _verify_logits(hf_dir, state_dict, config, atol)
 
 
 def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tag: str | None = None,
@@ -159,7 +148,7 @@ def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tag: str
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         export_model(state, ref.config, tmp, ref.tokenizer_dir, source=f"{ref.checkpoint_dir / ref.tag}")
-        diffs = verify_export(tmp, state, ref.config) if verify else None
+        diffs = verify_export(tmp, state, ref.config, ref.tokenizer_dir) if verify else None
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above); rename cannot replace a directory
         tmp.rename(out_dir)

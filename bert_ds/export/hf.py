@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from bert_ds.config import BertConfig
+from bert_ds.data.tokenizer import VOCAB_NAME, WordPieceTokenizer, load_tokenizer
 from bert_ds.export.keymap import ExportError, from_hf_state_dict, to_hf_state_dict
+from bert_ds.model import BertForPreTraining
 
 __all__ = ["HF_ARCHITECTURE", "hf_config_dict", "bert_config_from_hf", "read_hf_state_dict", "save_hf_model",
-           "write_tokenizer", "tokenizer_vocab_size", "load_hf_pretrained", "export_model"]
+           "load_training_tokenizer", "write_tokenizer", "load_hf_pretrained", "export_model"]
 
 HF_ARCHITECTURE = "BertForPreTraining"
 
@@ -81,12 +82,11 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_pretrained(hf_dir: str | Path, kernels: str = "auto", activation_checkpointing: bool = False,
-                       pad_vocab_to_multiple_of: int = 1, **config_overrides):
-    """A bert_ds :class:`~bert_ds.model.BertForPreTraining` initialised from an HF ``BertForPreTraining`` directory.
+                       pad_vocab_to_multiple_of: int = 1, **config_overrides) -> BertForPreTraining:
+    """A bert_ds :class:`~bert_ds.model.BertForPreTraining` initialised from an HF ``BertForPreTraining`` directory
+    (continued pre-training). The HF import lives here, not on the model class: the model never imports ``export``.
 
     ``config_overrides`` replace config fields that do not change tensor shapes (e.g. dropout)."""
-    from bert_ds.model import BertForPreTraining
-
     config = bert_config_from_hf(hf_dir, pad_vocab_to_multiple_of, **config_overrides)
     state = from_hf_state_dict(read_hf_state_dict(hf_dir), config, source=str(hf_dir))
     model = BertForPreTraining(config, kernels=kernels, activation_checkpointing=activation_checkpointing)
@@ -105,38 +105,32 @@ def save_hf_model(hf_state: dict[str, torch.Tensor], config: BertConfig, out_dir
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def tokenizer_vocab_size(tokenizer_dir: str | Path) -> int:
-    vocab = Path(tokenizer_dir) / "vocab.txt"
-    if not vocab.is_file():
-        raise ExportError(f"{vocab}: missing (the tokenizer vocabulary is saved beside the checkpoints)")
-    return len(vocab.read_text(encoding="utf-8").splitlines())
+def load_training_tokenizer(tokenizer_dir: str | Path) -> WordPieceTokenizer:
+    """The tokenizer exactly as training read it: :func:`bert_ds.data.tokenizer.load_tokenizer` is the one reader of
+    ``vocab.txt`` (its token count) and of the casing (``tokenizer_meta.json`` or ``tokenizer_config.json``)."""
+    try:
+        return load_tokenizer(tokenizer_dir)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{tokenizer_dir}: cannot load the training tokenizer: {exc}") from exc
 
 
 def write_tokenizer(tokenizer_dir: str | Path, out_dir: str | Path, vocab_size: int) -> None:
-    """Write an HF BERT WordPiece tokenizer built from ``vocab.txt`` and ``tokenizer_meta.json`` (lowercase flag; a
-    bare ``vocab.txt`` means uncased, as Google's release), plus ``vocab.txt`` itself for other tools."""
+    """Write the HF BERT WordPiece tokenizer training used: its vocabulary and its casing (``do_lower_case``, which
+    also decides accent stripping in both pipelines), plus a clean ``vocab.txt`` for other tools."""
     import transformers
 
-    tokenizer_dir = Path(tokenizer_dir)
-    size = tokenizer_vocab_size(tokenizer_dir)
-    if size != vocab_size:
-        raise ExportError(f"{tokenizer_dir / 'vocab.txt'}: {size} tokens, but the model config has "
+    tok = load_training_tokenizer(tokenizer_dir)
+    if tok.vocab_size != vocab_size:
+        raise ExportError(f"{tok.vocab_file}: {tok.vocab_size} tokens, but the model config has "
                           f"vocab_size={vocab_size}")
-    lowercase = True
-    meta = tokenizer_dir / "tokenizer_meta.json"
-    if meta.is_file():
-        try:
-            lowercase = json.loads(meta.read_text())["lowercase"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ExportError(f"{meta}: expected {{\"lowercase\": true|false}}: {exc}") from exc
-        if not isinstance(lowercase, bool):
-            raise ExportError(f"{meta}: lowercase={lowercase!r} must be true or false")
-    tokenizer = transformers.BertTokenizer(vocab=str(tokenizer_dir / "vocab.txt"), do_lower_case=lowercase)
-    if len(tokenizer) != vocab_size:
-        raise ExportError(f"{tokenizer_dir / 'vocab.txt'}: the tokenizer built from it has {len(tokenizer)} tokens "
+    vocab = {token: i for i, token in enumerate(tok.vocab)}
+    hf_tokenizer = transformers.BertTokenizer(vocab=vocab, do_lower_case=tok.lowercase)
+    if len(hf_tokenizer) != vocab_size:
+        raise ExportError(f"{tok.vocab_file}: the HF tokenizer built from it has {len(hf_tokenizer)} tokens "
                           f"(duplicate lines?), the model config has vocab_size={vocab_size}")
-    tokenizer.save_pretrained(out_dir)
-    shutil.copyfile(tokenizer_dir / "vocab.txt", Path(out_dir) / "vocab.txt")
+    hf_tokenizer.save_pretrained(out_dir)
+    # Written from the tokens training used (id = line number), not copied: the ids are exactly training's.
+    (Path(out_dir) / VOCAB_NAME).write_text("".join(f"{token}\n" for token in tok.vocab), encoding="utf-8")
 
 
 def export_model(state_dict: dict[str, torch.Tensor], config: BertConfig, out_dir: str | Path,

@@ -19,7 +19,26 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-__all__ = ["LateJIT", "interpreter_enabled"]
+__all__ = ["SUPPORTED_TRITON", "LateJIT", "interpreter_enabled", "triton_version_problem"]
+
+SUPPORTED_TRITON = ((3, 9), (3, 10))
+"""Triton versions the kernels are tested with: >= 3.9, < 3.10. The interpreter work-arounds in the kernels (bf16
+``tl.dot``, block masks in ``tl.load``) and the AOT report's ``ASTSource``/``GPUTarget`` calls are written against
+3.9."""
+
+
+def triton_version_problem(version: str | None = None) -> str | None:
+    """Why the installed (or given) Triton cannot be used by bert_ds's kernels, or None when it is supported."""
+    version = triton.__version__ if version is None else version
+    try:
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return f"cannot parse triton version {version!r}; bert_ds supports triton >= 3.9, < 3.10"
+    low, high = SUPPORTED_TRITON
+    if not low <= major_minor < high:
+        return (f"triton {version} is installed but bert_ds's kernels support triton >= {low[0]}.{low[1]}, "
+                f"< {high[0]}.{high[1]} (pip install 'triton>={low[0]}.{low[1]},<{high[0]}.{high[1]}')")
+    return None
 
 
 def interpreter_enabled() -> bool:

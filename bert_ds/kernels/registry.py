@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from .jit import interpreter_enabled
+from .jit import interpreter_enabled, triton_version_problem
 from .layer_norm import apex_available
 
 __all__ = ["BACKENDS", "OPS", "resolve_backend", "warn_fallback_once"]
@@ -51,13 +51,20 @@ def resolve_backend(op: str, requested: str, device: torch.device) -> str:
         if device.type != "cuda":
             raise RuntimeError(f"backend 'apex' needs CUDA tensors, got device {device}")
         return "apex"
+    problem = triton_version_problem()
     if requested == "triton":
+        if problem is not None:
+            raise RuntimeError(f"backend 'triton' requested for {op}: {problem}")
         if device.type == "cuda" or interpreter_enabled():
             return "triton"
         raise RuntimeError(f"backend 'triton' requested for {op} on a {device.type} tensor; Triton kernels need "
                            "CUDA tensors, or TRITON_INTERPRET=1 set to run them in the CPU interpreter")
     if device.type == "cuda":
-        return "triton"
+        if problem is None:
+            return "triton"
+        warn_fallback_once(op, f"bert_ds.kernels: backend 'auto' falls back to the torch implementation of {op}: "
+                               f"{problem} (warned once per process)")
+        return "torch"
     warn_fallback_once(op, f"bert_ds.kernels: no Triton for {op} on {device.type} tensors; backend 'auto' "
                            "falls back to the torch implementation (warned once per process)")
     return "torch"

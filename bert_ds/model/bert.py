@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -182,12 +181,3 @@ class BertForPreTraining(nn.Module):
                                  f"(embeddings + {len(states) - 1} layers)")
             chosen.append(states[index])
         return torch.cat(chosen, dim=-1) if concat else chosen
-
-    @classmethod
-    def from_hf(cls, hf_dir: str | Path, kernels: str = "auto", activation_checkpointing: bool = False,
-                pad_vocab_to_multiple_of: int = 1, **config_overrides) -> BertForPreTraining:
-        """Initialise from a Hugging Face ``BertForPreTraining`` directory (continued pre-training)."""
-        from bert_ds.export.hf import load_hf_pretrained
-
-        return load_hf_pretrained(hf_dir, kernels=kernels, activation_checkpointing=activation_checkpointing,
-                                  pad_vocab_to_multiple_of=pad_vocab_to_multiple_of, **config_overrides)

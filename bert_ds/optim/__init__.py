@@ -8,14 +8,19 @@ Engine call sequence::
     bind_optimizer(engine)  # required for ZeroAwareLamb under ZeRO 1/2; no-op otherwise
 
 DeepSpeed config: ``"zero_allow_untested_optimizer": true`` (LAMB is not on ZeRO's list), ``"gradient_clipping"``
-for the global-norm clip, no ``"optimizer"`` / ``"scheduler"`` sections (the client objects above are used).
+for the global-norm clip under ZeRO 1/2 (at stage 0 fp32, ``GlobalNormClip(max_norm).attach(opt)`` with DeepSpeed's
+clip at 0: see ``bert_ds/optim/clip.py``), no ``"optimizer"`` / ``"scheduler"`` sections (the client objects above
+are used).
 """
 
+from bert_ds.optim.clip import GlobalNormClip
 from bert_ds.optim.factory import OPTIMIZER_NAMES, bind_optimizer, build_optimizer, no_decay, param_groups
-from bert_ds.optim.lamb import UnsupportedZeroSetup, ZeroAwareLamb, ZeroLayout, zero_layout
+from bert_ds.optim.lamb import TRUST_RATIO_RULES, UnsupportedZeroSetup, ZeroAwareLamb, ZeroLayout, zero_layout
 from bert_ds.optim.schedule import NVIDIA_BERT_POWER, warmup_poly_decay
 
 __all__ = [
+    "GlobalNormClip",
+    "TRUST_RATIO_RULES",
     "UnsupportedZeroSetup",
     "NVIDIA_BERT_POWER",
     "OPTIMIZER_NAMES",

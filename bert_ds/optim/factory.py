@@ -47,7 +47,7 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: 
     """Build the client optimizer handed to ``deepspeed.initialize(optimizer=...)``.
 
     - ``lamb``: ``ZeroAwareLamb`` (exact per-tensor LAMB for ZeRO 0/1/2; refuses stage 3 here already).
-      ``lamb_kw``: ``bias_correction``, ``min_trust``, ``max_trust``.
+      ``lamb_kw``: ``bias_correction``, ``min_trust``, ``max_trust``, ``trust_ratio`` (``"all"`` / ``"decay_only"``).
     - ``adamw``: DeepSpeed's FusedAdam (adam_w_mode) when CUDA is available, otherwise ``torch.optim.AdamW``.
     - ``apex_lamb``: NVIDIA apex ``FusedLAMB``, only without ZeRO (it would compute per-slice trust ratios) and only
       if ``apex.optimizers`` imports (apex is built from NVIDIA's source; the PyPI package named ``apex`` is

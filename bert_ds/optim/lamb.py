@@ -6,6 +6,12 @@ Per tensor ``w`` with (already clipped) gradient ``g``::
     u = m^ / (sqrt(v^) + eps) + wd*w;  r = ||w|| / ||u||  (r = 1 if either norm is 0; clamped if asked)
     w = w - lr * r * u
 
+``trust_ratio`` picks which tensors get ``r`` (per param group, so per weight-decay class): ``"all"`` (NVLAMB; apex
+``FusedLAMB(use_nvlamb=True)``, timm ``Lamb(always_adapt=True)``) or ``"decay_only"``, where groups with weight
+decay 0 (biases, LayerNorm) take ``r = 1`` (apex's default ``use_nvlamb=False``, used by NVIDIA's BERT recipe; timm's
+default). Under ``"all"`` a tensor whose true gradient is 0, such as an attention key bias (softmax cancels it), has
+an update ``u`` of pure rounding noise that ``r`` scales up to a step of ``lr * ||w||`` every step.
+
 Under ZeRO 1/2 the param groups hold one flat fp32 partition per rank and tensors are cut at rank boundaries, so a
 naive LAMB computes one trust ratio per rank slice (DeepSpeed issues #88, #490, #1217). After ``bind_zero`` the
 optimizer knows which segment of its flat partition belongs to which original tensor; each rank sums its segments'
@@ -18,9 +24,10 @@ after the last group. To need a single all-reduce per step the bound optimizer t
 partial norms in every group call, and applies the weight updates of all groups in the last call, re-copying the
 earlier groups' fp32 partitions to their bit16 partitions before ZeRO all-gathers them.
 
-Gradient clipping is not done here: DeepSpeed clips by the global norm before ``step()`` (``gradient_clipping`` in its
-config; ZeRO in ``unscale_and_clip_grads``, stage 0 fp32 in ``engine.clip_fp32_gradients``). Plain-torch users call
-``torch.nn.utils.clip_grad_norm_`` before ``step()``.
+Gradient clipping is not done here. It happens by the global norm before ``step()``: under ZeRO 1/2 in DeepSpeed's
+``unscale_and_clip_grads`` (fp64 norm), at stage 0 fp32 in :class:`bert_ds.optim.clip.GlobalNormClip`, a step pre-hook
+with the same fp64 norm and formula that ``bert_ds.engine`` installs instead of DeepSpeed's fp32-norm clip (see that
+module for why). Plain-torch users call ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["UnsupportedZeroSetup", "ZeroAwareLamb", "ZeroLayout", "segment_sq_norms", "zero_layout"]
+__all__ = ["TRUST_RATIO_RULES", "UnsupportedZeroSetup", "ZeroAwareLamb", "ZeroLayout", "segment_sq_norms",
+           "zero_layout"]
+
+TRUST_RATIO_RULES = ("all", "decay_only")
+"""Which tensors get LAMB's trust ratio: every tensor, or only those of param groups with weight decay."""
 
 
 class UnsupportedZeroSetup(ValueError):
@@ -69,60 +80,21 @@ class ZeroLayout:
 
 
 def zero_layout(zero_optimizer) -> ZeroLayout:
-    """Map every original tensor of a ``DeepSpeedZeroOptimizer`` (stage 1/2) to its segment in this rank's partition.
+    """Map every original tensor of a ``DeepSpeedZeroOptimizer`` (stage 1/2) to its runs in this rank's partition.
 
-    Mirrors ``stage_1_and_2.py``: tensors are laid out in ``round_robin_bit16_groups`` order at
-    ``round_robin_bit16_offsets`` (alignment padding after each tensor in ``round_robin_bit16_padding``), the flat
-    group is padded to a multiple of ``2 * world_size`` and cut into equal partitions of ``partition_size[i]``.
+    DeepSpeed's partition map (tensor offsets in each flat group, this rank's slice of it) is read by
+    :func:`bert_ds.deepspeed_internals.zero_partition_map`; this turns it into contiguous runs of the flat partition:
+    tensor segments, and padding between or after them.
     """
-    import deepspeed.comm as dist
+    from bert_ds.deepspeed_internals import zero_partition_map
 
-    zo = zero_optimizer
-    for attr in ("bit16_groups", "round_robin_bit16_groups", "single_partition_of_fp32_groups", "partition_size",
-                 "parallel_partitioned_bit16_groups", "real_dp_process_group", "dp_process_group"):
-        if not hasattr(zo, attr):
-            raise TypeError(f"ZeroAwareLamb.bind_zero: {type(zo).__name__} has no '{attr}'; only DeepSpeed's ZeRO "
-                            "stage 1/2 optimizer (DeepSpeedZeroOptimizer) is supported")
-    if getattr(zo, "cpu_offload", False):
-        raise UnsupportedZeroSetup("ZeroAwareLamb under ZeRO offload_optimizer is not supported (untested); "
-                                  "drop zero_optimization.offload_optimizer")
-    if getattr(zo, "torch_autocast_gradscaler", None) is not None or getattr(zo, "zenflow", False):
-        raise UnsupportedZeroSetup("ZeroAwareLamb does not support torch_autocast or ZenFlow under ZeRO")
-    ws = dist.get_world_size(group=zo.dp_process_group)
-    for i, pg in enumerate(zo.real_dp_process_group):
-        if dist.get_world_size(group=pg) != ws:
-            raise UnsupportedZeroSetup(f"ZeroAwareLamb: param group {i} uses a different data-parallel group "
-                                      "(MoE expert groups are not supported)")
-
-    index_of = {}
-    names = []
-    for group in zo.bit16_groups:
-        for p in group:
-            index_of[id(p)] = len(names)
-            names.append(f"{tuple(p.shape)}")
-
-    groups = []
-    split = []
-    for i, rr_tensors in enumerate(zo.round_robin_bit16_groups):
-        rank = dist.get_rank(group=zo.real_dp_process_group[i])
-        psize = int(zo.partition_size[i])
-        start, end = rank * psize, (rank + 1) * psize
-        flat = zo.single_partition_of_fp32_groups[i]
-        if flat.numel() != psize:
-            raise RuntimeError(f"ZeroAwareLamb: group {i} partition has {flat.numel()} elements, expected {psize}")
-        # shape metadata survives ZeRO's offload of param storage; older DeepSpeed has only the params
-        metas = zo.round_robin_bit16_meta[i] if hasattr(zo, "round_robin_bit16_meta") else rr_tensors
-        numels = [int(m.numel()) for m in metas]
-        offsets = getattr(zo, "round_robin_bit16_offsets", None)
-        if offsets is not None:
-            offsets = [int(o) for o in offsets[i]]
-        else:  # older DeepSpeed: no per-tensor alignment padding, tensors back to back
-            offsets, pos = [], 0
-            for n in numels:
-                offsets.append(pos)
-                pos += n
+    zmap = zero_partition_map(zero_optimizer)
+    n_tensors = len(zmap.shapes)
+    groups, split = [], []
+    for zg in zmap.groups:
+        start, end = zg.start, zg.start + zg.flat.numel()
         lengths, run_tensor, cursor = [], [], start
-        for p, off, n in sorted(zip(rr_tensors, offsets, numels, strict=True), key=lambda t: t[1]):
+        for index, off, n in zg.tensors:
             lo, hi = max(off, start), min(off + n, end)
             if lo >= hi:
                 continue
@@ -130,22 +102,21 @@ def zero_layout(zero_optimizer) -> ZeroLayout:
                 lengths.append(lo - cursor)
                 run_tensor.append(-1)
             lengths.append(hi - lo)
-            run_tensor.append(index_of[id(p)])
+            run_tensor.append(index)
             if hi - lo != n:
-                split.append(index_of[id(p)])
+                split.append(index)
             cursor = hi
         if cursor < end:  # padding at the end of the flat group
             lengths.append(end - cursor)
             run_tensor.append(-1)
-        groups.append(_GroupLayout(flat=flat,
-                                   lengths=lengths,
-                                   run_tensor=run_tensor,
-                                   run_index=torch.tensor([t if t >= 0 else len(names) for t in run_tensor],
-                                                          dtype=torch.long, device=flat.device),
-                                   run_is_tensor=torch.tensor([t >= 0 for t in run_tensor], device=flat.device),
-                                   bit16_partition=zo.parallel_partitioned_bit16_groups[i][rank]))
-    return ZeroLayout(groups=groups, n_tensors=len(names), names=names, split_tensors=split,
-                      process_group=zo.dp_process_group, world_size=ws)
+        device = zg.flat.device
+        groups.append(_GroupLayout(flat=zg.flat, lengths=lengths, run_tensor=run_tensor,
+                                   run_index=torch.tensor([t if t >= 0 else n_tensors for t in run_tensor],
+                                                          dtype=torch.long, device=device),
+                                   run_is_tensor=torch.tensor([t >= 0 for t in run_tensor], device=device),
+                                   bit16_partition=zg.bit16_partition))
+    return ZeroLayout(groups=groups, n_tensors=n_tensors, names=[str(s) for s in zmap.shapes], split_tensors=split,
+                      process_group=zmap.process_group, world_size=zmap.world_size)
 
 
 def segment_sq_norms(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -169,7 +140,7 @@ class ZeroAwareLamb(Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
-                 min_trust: float | None = None, max_trust: float | None = None) -> None:
+                 min_trust: float | None = None, max_trust: float | None = None, trust_ratio: str = "all") -> None:
         if not lr >= 0.0:
             raise ValueError(f"ZeroAwareLamb: lr must be >= 0, got {lr!r}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -180,11 +151,13 @@ class ZeroAwareLamb(Optimizer):
             raise ValueError(f"ZeroAwareLamb: weight_decay must be >= 0, got {weight_decay!r}")
         if min_trust is not None and max_trust is not None and min_trust > max_trust:
             raise ValueError(f"ZeroAwareLamb: min_trust={min_trust!r} > max_trust={max_trust!r}")
+        if trust_ratio not in TRUST_RATIO_RULES:
+            raise ValueError(f"ZeroAwareLamb: trust_ratio must be one of {TRUST_RATIO_RULES}, got {trust_ratio!r}")
         for name, value in (("min_trust", min_trust), ("max_trust", max_trust)):
             if value is not None and not value >= 0.0:
                 raise ValueError(f"ZeroAwareLamb: {name} must be >= 0 or None, got {value!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-                        min_trust=min_trust, max_trust=max_trust)
+                        min_trust=min_trust, max_trust=max_trust, trust_ratio=trust_ratio)
         self._registered: set[int] = set()
         self._layout: ZeroLayout | None = None
         self._pending: dict[int, tuple[torch.Tensor, dict]] = {}
@@ -194,6 +167,11 @@ class ZeroAwareLamb(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._registered.update(id(p) for p in self.param_groups[-1]["params"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # state dicts written before ``trust_ratio`` existed lack it
+            group.setdefault("trust_ratio", self.defaults["trust_ratio"])
 
     # ------------------------------------------------------------------ binding
     @property
@@ -207,8 +185,9 @@ class ZeroAwareLamb(Optimizer):
         Raises for ZeRO stage 3 and for wrappers whose layout this class does not know, so LAMB is never silently
         per-slice.
         """
-        if type(zero_optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3" or hasattr(
-                zero_optimizer, "fp32_partitioned_groups_flat"):
+        from bert_ds.deepspeed_internals import is_zero3_optimizer
+
+        if is_zero3_optimizer(zero_optimizer):
             raise UnsupportedZeroSetup("ZeroAwareLamb does not support ZeRO stage 3: its sub-group partitions would "
                                       "give per-slice trust ratios. Use ZeRO stage 1 or 2, or AdamW under stage 3.")
         if getattr(zero_optimizer, "optimizer", None) is not self:
@@ -255,6 +234,8 @@ class ZeroAwareLamb(Optimizer):
 
     @staticmethod
     def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> torch.Tensor:
+        if group["trust_ratio"] == "decay_only" and group["weight_decay"] == 0.0:
+            return torch.ones_like(w_norm)
         ratio = w_norm / u_norm.clamp_min(torch.finfo(u_norm.dtype).tiny)
         if group["min_trust"] is not None or group["max_trust"] is not None:
             ratio = ratio.clamp(group["min_trust"], group["max_trust"])

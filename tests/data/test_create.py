@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from bert_ds.data.create import create_shards, iter_chunks, main
-from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardWriter, file_sha256, shard_name, vocab_sha256
+from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardWriter, file_sha256, shard_name
+from bert_ds.data.tokenizer import vocab_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 

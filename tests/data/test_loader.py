@@ -19,12 +19,15 @@ from bert_ds.data.loader import (
     DynamicMasking,
     build_eval_loader,
     build_loader,
-    continuation_table,
 )
 from bert_ds.data.reader import ShardError, ShardReader
-from bert_ds.data.synthetic import MASK, sample_ids_of_batch, write_synthetic_shards
+from bert_ds.data.synthetic import ID_BASE, sample_ids_of_batch, write_synthetic_shards
+from bert_ds.data.tokenizer import continuation_table, read_vocab
 
 N, PER_SHARD, SEQ, MAXP = 1000, 130, 64, 10
+# [CLS], [SEP], [MASK] in bert_ds's special-token order (tokenizer.SPECIAL_TOKENS): the synthetic shards' specials.
+SPECIAL_IDS = {"cls_id": 2, "sep_id": 3, "mask_id": 4}
+MASK = SPECIAL_IDS["mask_id"]
 G = 64
 PER_EPOCH = N // G
 
@@ -32,7 +35,8 @@ PER_EPOCH = N // G
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("loader") / "shards"
-    write_synthetic_shards(path, num_samples=N, samples_per_shard=PER_SHARD, seq_len=SEQ, max_predictions=MAXP)
+    write_synthetic_shards(path, num_samples=N, samples_per_shard=PER_SHARD, seq_len=SEQ, max_predictions=MAXP,
+                           **SPECIAL_IDS)
     return path
 
 
@@ -183,7 +187,7 @@ def test_small_shuffle_window_still_exactly_once(data):
 
 
 def test_dynamic_masking_deterministic_and_fresh_each_epoch(data):
-    dyn = DynamicMasking(vocab_size=30522, masked_lm_prob=0.3)
+    dyn = DynamicMasking(vocab_size=30522, mask_id=MASK, masked_lm_prob=0.3)
     (a,) = _loaders(data, 1, 64, num_workers=0, dynamic_masking=dyn)
     (b,) = _loaders(data, 1, 64, num_workers=2, dynamic_masking=dyn)
     batches_a = list(itertools.islice(iter(a), 2 * PER_EPOCH))
@@ -220,7 +224,7 @@ def test_dynamic_masking_deterministic_and_fresh_each_epoch(data):
 def test_dynamic_mask_is_a_function_of_the_sample_alone(data):
     """Batch of 64 on one rank, batch of 1 (64 micro steps), batches of 32 on rank 0 and rank 1 (and 2 workers): every
     sample of the first two global batches gets the same dynamic mask."""
-    dyn = DynamicMasking(vocab_size=30522, masked_lm_prob=0.3)
+    dyn = DynamicMasking(vocab_size=30522, mask_id=MASK, masked_lm_prob=0.3)
     layouts = {"1 rank x 64": _loaders(data, 1, 64, num_workers=0, dynamic_masking=dyn),
                "1 rank x 1": _loaders(data, 1, 1, num_workers=0, dynamic_masking=dyn),
                "2 ranks x 32": _loaders(data, 2, 32, num_workers=0, dynamic_masking=dyn),
@@ -242,17 +246,17 @@ def test_dynamic_mask_is_a_function_of_the_sample_alone(data):
 
 
 def test_dynamic_max_predictions_default(data):
-    assert DynamicMasking(vocab_size=30522).resolved_max_predictions(128) == 20
-    assert DynamicMasking(vocab_size=30522).resolved_max_predictions(512) == 80
-    assert DynamicMasking(vocab_size=30522, masked_lm_prob=0.3).resolved_max_predictions(128) == 39
+    assert DynamicMasking(vocab_size=30522, mask_id=MASK).resolved_max_predictions(128) == 20
+    assert DynamicMasking(vocab_size=30522, mask_id=MASK).resolved_max_predictions(512) == 80
+    assert DynamicMasking(vocab_size=30522, mask_id=MASK, masked_lm_prob=0.3).resolved_max_predictions(128) == 39
 
 
 def test_whole_word_dynamic_masking(data, tmp_path):
     vocab = [f"t{i}" if i < 20000 else f"##t{i}" for i in range(30522)]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    table = continuation_table(tmp_path)
+    table = continuation_table(read_vocab(tmp_path))
     assert table.sum() == 30522 - 20000
-    dyn = DynamicMasking(vocab_size=30522, whole_word=True, vocab=tmp_path)
+    dyn = DynamicMasking(vocab_size=30522, mask_id=MASK, whole_word=True, vocab=tmp_path)
     (loader,) = _loaders(data, 1, 64, num_workers=0, dynamic_masking=dyn)
     for batch in itertools.islice(iter(loader), 3):
         original = batch["input_ids"].clone()
@@ -268,14 +272,26 @@ def test_whole_word_dynamic_masking(data, tmp_path):
                     assert i + 1 in chosen
 
 
+def test_no_silent_token_ids(tmp_path):
+    """[MASK] is 4 in bert_ds vocabularies and 103 in Google's: neither dynamic masking nor the synthetic shards
+    default any special token id."""
+    with pytest.raises(TypeError, match="mask_id"):
+        DynamicMasking(vocab_size=30522)
+    with pytest.raises(TypeError, match="cls_id"):
+        write_synthetic_shards(tmp_path, num_samples=10, samples_per_shard=10)
+    with pytest.raises(ValueError, match=f"mask_id={ID_BASE} must be in"):
+        write_synthetic_shards(tmp_path, num_samples=10, samples_per_shard=10, **{**SPECIAL_IDS, "mask_id": ID_BASE})
+
+
 def test_whole_word_needs_vocab():
     with pytest.raises(ValueError, match="whole_word=True needs 'vocab'"):
-        DynamicMasking(vocab_size=30522, whole_word=True)
+        DynamicMasking(vocab_size=30522, mask_id=MASK, whole_word=True)
 
 
 def test_dynamic_masking_vocab_size_checked(data):
     with pytest.raises(ValueError, match="field 'vocab_size' is 30522 but the run expects 4000"):
-        build_loader(data, global_batch_size=G, micro_batch_size=64, dynamic_masking=DynamicMasking(vocab_size=4000))
+        build_loader(data, global_batch_size=G, micro_batch_size=64,
+                     dynamic_masking=DynamicMasking(vocab_size=4000, mask_id=MASK))
 
 
 def test_index_checked_against_run(data):
@@ -289,7 +305,8 @@ def test_index_checked_against_run(data):
 
 def test_corrupt_shard_clear_error(tmp_path):
     path = tmp_path / "shards"
-    write_synthetic_shards(path, num_samples=200, samples_per_shard=100, seq_len=SEQ, max_predictions=MAXP)
+    write_synthetic_shards(path, num_samples=200, samples_per_shard=100, seq_len=SEQ, max_predictions=MAXP,
+                           **SPECIAL_IDS)
     shard = path / "shard-000001.tar"
     raw = bytearray(shard.read_bytes())
     raw[700] ^= 0xFF

@@ -13,6 +13,9 @@ import textwrap
 from bert_ds.data.loader import build_loader
 from bert_ds.data.synthetic import sample_ids_of_batch, write_synthetic_shards
 
+# [CLS], [SEP], [MASK] in bert_ds's special-token order (tokenizer.SPECIAL_TOKENS): the synthetic shards' specials.
+SPECIAL_IDS = {"cls_id": 2, "sep_id": 3, "mask_id": 4}
+
 WORKER = textwrap.dedent("""
     import json, os, sys
     import torch.distributed as dist
@@ -43,7 +46,8 @@ def _free_port() -> int:
 
 def test_two_processes_gloo_exactly_once(tmp_path):
     data = tmp_path / "shards"
-    write_synthetic_shards(data, num_samples=700, samples_per_shard=100, seq_len=64, max_predictions=10)
+    write_synthetic_shards(data, num_samples=700, samples_per_shard=100, seq_len=64, max_predictions=10,
+                           **SPECIAL_IDS)
     per_epoch, gas = 700 // 64, 4
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import torch
 
-from bert_ds.data.index import ShardIndex, vocab_sha256
+from bert_ds.data.index import ShardIndex
 from bert_ds.data.loader import IGNORE_INDEX, DynamicMasking, build_eval_loader, build_loader
 from bert_ds.data.reader import ShardReader
-from bert_ds.data.tokenizer import load_tokenizer
+from bert_ds.data.tokenizer import load_tokenizer, vocab_sha256
 
 
 def _originals(batch: dict) -> torch.Tensor:

@@ -198,3 +198,54 @@ def test_counter_uniforms_are_uniform():
     assert np.histogram(u, bins=10, range=(0, 1))[0].min() > 0.97 * u.size / 10
     assert abs(np.corrcoef(u[:, 0], u[:, 1])[0, 1]) < 0.03  # neighbouring counters of one key
     assert counter_hash(2**64 + 7) == counter_hash(7)  # keys are taken modulo 2**64
+
+
+@pytest.mark.parametrize("source", ["generator", "uniforms"])
+def test_replace_chosen_is_80_10_10(source):
+    """BERT paper §3.1 / A.1, the one implementation: shares of [MASK], random and kept tokens, random tokens uniform
+    over the whole vocabulary, positions not chosen untouched; both sources of random tokens."""
+    from bert_ds.data.masking import replace_chosen
+
+    rng = np.random.default_rng(11)
+    n = 400_000
+    ids = np.full(n + 1000, 7, dtype=np.int64)  # 7: a token the 10% random draw rarely lands on (1 in VOCAB)
+    at = np.sort(rng.choice(ids.shape[0], size=n, replace=False))
+    random_tokens = rng if source == "generator" else rng.random(n)
+    replace_chosen(ids, at, rng.random(n), mask_id=MASK, vocab_size=VOCAB, random_tokens=random_tokens)
+    after = ids[at]
+    mask, keep = (after == MASK).mean(), (after == 7).mean()
+    assert abs(mask - 0.8) < 0.003 and abs(keep - 0.1) < 0.003, (mask, keep)
+    drawn = after[(after != MASK) & (after != 7)]
+    assert abs(drawn.shape[0] / n - 0.1 * (1 - 2 / VOCAB)) < 0.003
+    assert drawn.min() >= 0 and drawn.max() < VOCAB
+    counts = np.bincount(drawn, minlength=VOCAB)
+    counts = np.delete(counts, [MASK, 7])  # ~40 per id; chi-square over 998 ids: mean 997, sd 45
+    assert ((counts - counts.mean()) ** 2 / counts.mean()).sum() < 1.25 * counts.shape[0]
+    untouched = np.setdiff1d(np.arange(ids.shape[0]), at)
+    assert (ids[untouched] == 7).all()
+
+
+def test_every_masking_path_applies_the_rule_through_replace_chosen(monkeypatch):
+    """Static (per sample, batched), dynamic (counter-based): replace the one rule by "always [MASK]" and every path
+    follows, so none of them carries its own copy."""
+    from bert_ds.data import masking
+
+    def always_mask(ids, at, u, *, mask_id, vocab_size, random_tokens):
+        ids[at] = mask_id
+
+    monkeypatch.setattr(masking, "replace_chosen", always_mask)
+    ids, cand = _sample(200)
+    masked, pos, _ = masking.mask_tokens(ids, np.random.default_rng(0), candidates=cand, max_predictions=30,
+                                         vocab_size=VOCAB, mask_id=MASK)
+    assert (masked[pos] == MASK).all() and len(pos) == 30
+    la, lb = np.array([50, 70]), np.array([60, 40])
+    flat = np.arange(5, 5 + int((la + lb + 3).sum())) % VOCAB
+    starts = np.array([0, 113])
+    masked, counts, pos, _ = masking.mask_packed_pairs(flat, starts, la, lb, np.random.default_rng(0),
+                                                       max_predictions=20, vocab_size=VOCAB, mask_id=MASK)
+    assert (masked == MASK).sum() == counts.sum() == 2 * num_predictions(110, 0.15, 20)
+    batch = np.tile(np.arange(5, 69), (2, 1))
+    keys = masking.counter_hash(1, 2, np.arange(2))
+    masked, pos, _ = masking.mask_pairs(batch, np.array([30, 20]), np.array([64, 50]), keys, max_predictions=20,
+                                        vocab_size=VOCAB, mask_id=MASK)
+    assert (masked == MASK).sum() == (pos >= 0).sum() > 0

@@ -14,11 +14,14 @@ from bert_ds.data.index import ShardIndex, ShardWriter, shard_name
 from bert_ds.data.reader import ShardError, ShardReader, scan_tar
 from bert_ds.data.synthetic import ID_BASE, ID_RADIX, write_synthetic_shards
 
+# [CLS], [SEP], [MASK] in bert_ds's special-token order (tokenizer.SPECIAL_TOKENS): the synthetic shards' specials.
+SPECIAL_IDS = {"cls_id": 2, "sep_id": 3, "mask_id": 4}
+
 
 @pytest.fixture()
 def shard_dir(tmp_path):
     write_synthetic_shards(tmp_path / "shards", num_samples=250, samples_per_shard=100, seq_len=64,
-                           max_predictions=10)
+                           max_predictions=10, **SPECIAL_IDS)
     return tmp_path / "shards"
 
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from bert_ds.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, main, train_tokenizer
+from bert_ds.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, main, read_vocab, train_tokenizer
 
 # Not in the training corpus (license texts + Python docstrings): news-like prose, accents, digits, CJK, symbols.
 HELD_OUT = [
@@ -28,12 +28,12 @@ def _hf_fast(vocab_file, do_lower_case: bool):
     params = inspect.signature(transformers.BertTokenizerFast.__init__).parameters
     key = "vocab" if "vocab" in params else "vocab_file"
     hf = transformers.BertTokenizerFast(**{key: str(vocab_file)}, do_lower_case=do_lower_case)
-    assert len(hf) == len(vocab_file.read_text(encoding="utf-8").splitlines())
+    assert len(hf) == len(read_vocab(vocab_file))
     return hf
 
 
 def test_special_tokens_first_and_files_written(tokenizer_dir):
-    vocab = (tokenizer_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    vocab = read_vocab(tokenizer_dir)
     assert vocab[:len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS)  # [PAD] = 0
     assert len(vocab) == 4000
     assert json.loads((tokenizer_dir / "tokenizer_meta.json").read_text()) == {"lowercase": True}

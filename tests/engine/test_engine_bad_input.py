@@ -10,16 +10,16 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, SMALL_RECIPE, run_pretrain, run_until_signalled, write_recipe
 
-from bert_ds.config import BertConfig
+from bert_ds.checkpoint import consolidated_state_dict
 from bert_ds.data.synthetic import write_synthetic_shards
-from bert_ds.export.convert import CheckpointRef, consolidate_checkpoint
 from bert_ds.pretrain import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
+from tests.helpers import HANG_GUARD_S
+from tests.helpers.runs import REPO, SMALL_RECIPE, run_pretrain, run_until_signalled, write_recipe
 
 
 def _fails(args, nprocs=1, code=EXIT_BAD_INPUT):
-    proc = run_pretrain(args, nprocs=nprocs, check=False, timeout=180)
+    proc = run_pretrain(args, nprocs=nprocs, check=False, timeout=HANG_GUARD_S)
     if nprocs == 1:
         assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:  # the launcher reports a failed rank with its own non-zero code
@@ -50,7 +50,8 @@ def test_tokenizer_is_required(synthetic_data, tmp_path):
     """Without it, export would later miss tokenizer/vocab.txt and dynamic masking would guess [MASK]'s id."""
     proc = subprocess.run([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(write_recipe(tmp_path / "r.json")),
                            "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
     assert proc.returncode == EXIT_BAD_INPUT and "--tokenizer" in proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -65,7 +66,8 @@ def test_shards_with_wrong_seq_len(synthetic_data, tmp_path):
 def test_shards_with_other_vocab(synthetic_data, tmp_path):
     other = tmp_path / "other512"
     write_synthetic_shards(other, num_samples=20, samples_per_shard=10, seq_len=512, max_predictions=80,
-                           vocab_size=12000, seed=3, vocab_sha256="another-vocabulary")
+                           vocab_size=12000, seed=3, vocab_sha256="another-vocabulary", cls_id=2, sep_id=3,
+                           mask_id=4)
     recipe = write_recipe(tmp_path / "r.json")
     out = _fails(["--recipe", str(recipe), "--data", str(synthetic_data[0]), str(other),
                   "--output", str(tmp_path / "run")])
@@ -108,8 +110,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(synthetic_data, tmp
     assert latest == "phase1-step000001" and f"last good checkpoint: {latest}" in out
     assert sorted(p.name for p in (run / "checkpoints").glob("phase*")) == ["phase1-step000001"]
     ckpt = run / "checkpoints"
-    state = consolidate_checkpoint(CheckpointRef(ckpt, latest, BertConfig.load(ckpt / "model_config.json"),
-                                                 ckpt / "tokenizer"))
+    state = consolidated_state_dict(ckpt, latest)
     assert all(torch.isfinite(t).all() for t in state.values())
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SMALL_RECIPE
 
 from bert_ds.checkpoint import list_tags, parse_tag, prune_checkpoints, read_latest, tag_for
 from bert_ds.engine import deepspeed_config, resolve_precision
 from bert_ds.recipe import Recipe
+from tests.helpers.runs import SMALL_RECIPE
 
 
 def test_deepspeed_config_is_derived_from_the_phase():

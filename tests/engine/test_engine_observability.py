@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_pretrain, write_recipe
 
 from bert_ds.data.index import ShardIndex
 from bert_ds.optim import warmup_poly_decay
+from tests.helpers import HANG_GUARD_S
+from tests.helpers.runs import REPO, run_pretrain, tensorboard_scalars, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -46,21 +47,6 @@ def _recipe(path: Path, **phase1) -> Path:
     phases[1].update(steps=1, global_batch_size=2, micro_batch_size=2, checkpoint_interval=0, eval_interval=0,
                      target_mlm_accuracy=0.99)
     return write_recipe(path, base=TINY_CPU, phases=phases, logging={"interval": 2})
-
-
-def _scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar tag of a run's TensorBoard directory as {step: value}, read the way TensorBoard reads it."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})  # 0: keep every point
-    acc.Reload()
-    out = {}
-    for tag in acc.Tags()["scalars"]:
-        events = acc.Scalars(tag)
-        steps = [e.step for e in events]
-        assert len(set(steps)) == len(steps), f"{tag}: a step written twice: {steps}"
-        out[tag] = {e.step: e.value for e in events}
-    return out
 
 
 def _console_steps(stdout: str, phase: int) -> list[int]:
@@ -109,7 +95,7 @@ def test_tensorboard_console_and_periodic_eval(shards_128, eval_shards, tokenize
     run = tmp_path / "run"
     proc = run_pretrain(["--recipe", str(recipe), "--data", str(shards_128), "--eval-data", str(eval_shards),
                          "--tokenizer", str(tokenizer_dir), "--phase", "1", "--output", str(run)])
-    scalars = _scalars(run / "tensorboard")
+    scalars = tensorboard_scalars(run / "tensorboard")
     logged = [2, 4, 6, 8]  # logging.interval 2 over 8 steps
 
     for tag in TRAIN_TAGS:
@@ -168,7 +154,7 @@ def test_early_stop_ends_the_phase_with_a_checkpoint(early_stop_run):
     state = json.loads((run / "checkpoints" / STOP_TAG / "run_state.json").read_text())
     assert (state["phase"], state["step"], state["phase_done"]) == (0, STOP, True)
     assert state["consumed_samples"] == STOP * GLOBAL_BATCH
-    scalars = _scalars(run / "tensorboard")
+    scalars = tensorboard_scalars(run / "tensorboard")
     assert sorted(scalars["eval/mlm_accuracy"]) == [STOP] and sorted(scalars["train/loss"]) == [2, STOP]
 
 
@@ -178,13 +164,13 @@ def test_offline_eval_matches_the_in_run_eval(early_stop_run, eval_shards):
     run, _, _ = early_stop_run
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "evaluate.py"), "--checkpoint",
                            str(run / "checkpoints"), "--data", str(eval_shards), "--batch-size", "2",
-                           "--kernels", "torch"], cwd=REPO, capture_output=True, text=True, timeout=180,
+                           "--kernels", "torch"], cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, proc.stdout
     offline = json.loads(lines[0])
-    in_run = _scalars(run / "tensorboard")
+    in_run = tensorboard_scalars(run / "tensorboard")
     assert offline["tag"] == STOP_TAG
     assert offline["samples"] == in_run["eval/samples"][STOP]
     assert offline["masked_tokens"] == in_run["eval/masked_tokens"][STOP]

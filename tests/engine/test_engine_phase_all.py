@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_pretrain
+
+from tests.helpers import HANG_GUARD_S
+from tests.helpers.runs import REPO, run_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +23,7 @@ def test_tiny_cpu_phase_all_two_ranks_then_export(shards_128, shards_512, tokeni
     run = tmp_path / "run"
     proc = run_pretrain(["--recipe", str(REPO / "ds_configs" / "tiny_cpu.json"), "--data", str(shards_128),
                          str(shards_512), "--tokenizer", str(tokenizer_dir), "--output", str(run)],
-                        nprocs=2, timeout=400)
+                        nprocs=2, timeout=HANG_GUARD_S)
     ckpt = run / "checkpoints"
     assert (ckpt / "latest").read_text() == "phase2-step000020"
     state = json.loads((ckpt / "phase2-step000020" / "run_state.json").read_text())
@@ -36,8 +38,8 @@ def test_tiny_cpu_phase_all_two_ranks_then_export(shards_128, shards_512, tokeni
     assert second[-1] < first[0] - 1.5, "loss did not fall well below its start"
 
     out = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "--checkpoint", str(ckpt),
-                          "--out", str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                          "--out", str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True,
+                         timeout=HANG_GUARD_S, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verified against bert_ds" in out.stdout
 

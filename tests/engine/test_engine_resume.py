@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_close_params, run_pretrain, weights, write_recipe
+
+from tests.helpers.runs import assert_close_params, run_pretrain, weights, write_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -8,13 +8,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import SMALL_RECIPE, run_pretrain, run_until_signalled, weights, write_recipe
 
+from bert_ds.checkpoint import CheckpointError, resolve_tag
 from bert_ds.config import BertConfig
-from bert_ds.export.convert import find_checkpoint
-from bert_ds.export.keymap import ExportError
 from bert_ds.pretrain import EXIT_PREEMPTED
 from bert_ds.recipe import load_recipe
+from tests.helpers.runs import SMALL_RECIPE, run_pretrain, run_until_signalled, weights, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +49,8 @@ def test_stale_files_in_a_reused_tag_dir_are_replaced(synthetic_data, tmp_path):
         shutil.copyfile(f, stale / f.name.replace("rank_0_", "rank_1_"))
     # The exporter refuses the incomplete tag by name rather than failing inside DeepSpeed.
     shutil.copyfile(ckpt / "phase1-step000002" / "mp_rank_00_model_states.pt", stale / "mp_rank_00_model_states.pt")
-    with pytest.raises(ExportError, match="phase1-step000004: no run_state.json, so this checkpoint is incomplete"):
-        find_checkpoint(ckpt, "phase1-step000004")
+    with pytest.raises(CheckpointError, match="phase1-step000004: no run_state.json, so this checkpoint is incomplete"):
+        resolve_tag(ckpt, "phase1-step000004")
 
     run_pretrain(base + ["--resume", "auto"])
     assert (ckpt / "latest").read_text() == "phase1-step000004"

@@ -1,4 +1,5 @@
-"""The converter on real DeepSpeed checkpoints (ZeRO 0, 2 and 3 on one CPU/gloo rank), and its refusals."""
+"""The converter on real DeepSpeed checkpoints (ZeRO 0, 2 and 3 on one CPU/gloo rank, saved by the training loop's
+``save_checkpoint``), and its refusals."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from bert_ds.checkpoint import RUN_STATE_NAME, tag_for
+from bert_ds.data.tokenizer import read_vocab
 from bert_ds.export import convert as convert_module
 from bert_ds.export import convert_checkpoint, verify_export
 from bert_ds.export.keymap import PADDED_VOCAB_KEYS
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import HANG_GUARD_S
+from tests.helpers.ds_checkpoint import REPO, TAG, VOCAB, stage_checkpoint_dir
 
 
 def _load_cli():
@@ -32,16 +35,14 @@ def _load_cli():
 cli = _load_cli()
 
 STAGES = (0, 2, 3)
-TAG = "global_step1"
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     """One subprocess writes all stages: DeepSpeed's process group stays out of the pytest process."""
     out = tmp_path_factory.mktemp("ds")
-    script = Path(__file__).with_name("make_ds_checkpoint.py")
-    result = subprocess.run([sys.executable, str(script), str(out), "--stages", *map(str, STAGES)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.ds_checkpoint", str(out), "--stages",
+                             *map(str, STAGES)], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -49,9 +50,11 @@ def checkpoints(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("stage", STAGES)
 def test_convert_and_load_in_transformers(checkpoints, tmp_path, stage, capsys):
     out = tmp_path / "hf"
-    assert cli(["--checkpoint", str(checkpoints / f"stage{stage}"), "--out", str(out)]) == 0
+    assert cli(["--checkpoint", str(stage_checkpoint_dir(checkpoints, stage)), "--out", str(out)]) == 0
     assert "verified" in capsys.readouterr().out
     assert {"config.json", "model.safetensors", "vocab.txt", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert read_vocab(out) == VOCAB
+    assert json.loads((out / "tokenizer_config.json").read_text())["do_lower_case"] is True
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # the temp dir was renamed, nothing else left
 
     # The exported weights are the trained module's, vocab rows trimmed.
@@ -82,32 +85,37 @@ def test_convert_and_load_in_transformers(checkpoints, tmp_path, stage, capsys):
 def test_explicit_tag_and_no_verify(checkpoints, tmp_path):
     out = tmp_path / "hf"
     out.mkdir()  # an existing empty directory is fine
-    assert convert_checkpoint(checkpoints / "stage2", out, tag=TAG, verify=False) is None
+    assert convert_checkpoint(stage_checkpoint_dir(checkpoints, 2), out, tag=TAG, verify=False) is None
     assert (out / "model.safetensors").is_file()
 
 
-def _fake_checkpoint(root: Path, tags=("global_step5",), latest=True, vocab_lines=29, vocab_size=29) -> Path:
+STEP3, STEP5, STEP7 = tag_for(0, 3), tag_for(0, 5), tag_for(0, 7)
+
+
+def _fake_checkpoint(root: Path, tags=(STEP5,), latest=True, vocab_tokens=29, vocab_size=29) -> Path:
     """Just enough layout for the refusals, which all happen before any tensor is read."""
     ckpt = root / "ckpt"
     ckpt.mkdir()
     for tag in tags:
         (ckpt / tag).mkdir()
         (ckpt / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+        (ckpt / tag / RUN_STATE_NAME).write_text("{}")
     if latest and tags:
         (ckpt / "latest").write_text(tags[-1])
     from bert_ds.config import model_preset
 
     model_preset("tiny", vocab_size=vocab_size).save(ckpt / "model_config.json")
     (ckpt / "tokenizer").mkdir()
-    (ckpt / "tokenizer" / "vocab.txt").write_text("".join(f"tok{i}\n" for i in range(vocab_lines)))
+    (ckpt / "tokenizer" / "vocab.txt").write_text("".join(f"{t}\n" for t in VOCAB[:vocab_tokens]))
     return ckpt
 
 
 @pytest.mark.parametrize("case, pattern", [
-    ("empty", "no DeepSpeed checkpoint here"),
-    ("no_latest", r"no 'latest' file .*global_step5"),
-    ("bad_tag", r"tag 'global_step9' not found; available: \['global_step3', 'global_step5'\]"),
-    ("vocab", r"model_config.json: vocab_size=29 but .*vocab.txt has 30 tokens"),
+    ("empty", "no bert_ds checkpoint here"),
+    ("no_latest", rf"no 'latest' file .*complete ones: \['{STEP5}'\]$"),
+    ("bad_tag", rf"tag 'phase1-step000009' not found; available: \['{STEP3}', '{STEP5}'\]"),
+    ("incomplete", rf"{STEP7}: no run_state.json, so this checkpoint is incomplete .*\['{STEP5}'\]"),
+    ("vocab", r"model_config.json: vocab_size=29 but .*vocab.txt has 28 tokens"),
     ("out_exists", "already exists and is not an empty directory"),
     ("missing_dir", "not a directory"),
 ])
@@ -118,11 +126,19 @@ def test_bad_input_exits_2_with_one_clear_error(tmp_path, capsys, case, pattern)
         ckpt = tmp_path / "ckpt"
     elif case == "no_latest":
         ckpt = _fake_checkpoint(tmp_path, latest=False)
+        # A save in progress and a tag being replaced are not checkpoints: never listed.
+        (ckpt / f"{STEP7}.tmp").mkdir()
+        (ckpt / f".{STEP3}.old").mkdir()
+        (ckpt / f".{STEP3}.old" / RUN_STATE_NAME).write_text("{}")
     elif case == "bad_tag":
-        ckpt = _fake_checkpoint(tmp_path, tags=("global_step3", "global_step5"))
-        args += ["--tag", "global_step9"]
+        ckpt = _fake_checkpoint(tmp_path, tags=(STEP3, STEP5))
+        args += ["--tag", "phase1-step000009"]
+    elif case == "incomplete":
+        ckpt = _fake_checkpoint(tmp_path)
+        (ckpt / STEP7).mkdir()
+        args += ["--tag", STEP7]
     elif case == "vocab":
-        ckpt = _fake_checkpoint(tmp_path, vocab_lines=30)
+        ckpt = _fake_checkpoint(tmp_path, vocab_tokens=28)
     elif case == "out_exists":
         ckpt = _fake_checkpoint(tmp_path)
         (tmp_path / "out").mkdir()
@@ -139,7 +155,7 @@ def test_bad_input_exits_2_with_one_clear_error(tmp_path, capsys, case, pattern)
 
 def test_verification_failure_exits_1_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, capsys):
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(checkpoints / "stage0", ckpt)
+    shutil.copytree(stage_checkpoint_dir(checkpoints, 0), ckpt)
     real_consolidate = convert_module.consolidate_checkpoint
 
     def consolidate_then_corrupt_one_weight(ref):
@@ -148,8 +164,8 @@ def test_verification_failure_exits_1_and_leaves_nothing(checkpoints, tmp_path, 
         # against a clean copy.
         clean = {k: v.clone() for k, v in state.items()}
         state["bert.encoder.layer.1.output.dense.weight"][0].add_(0.5)  # one row: LayerNorm cannot cancel it
-        monkeypatch.setattr(convert_module, "verify_export", lambda out, _state, config: verify_export(out, clean,
-                                                                                                        config))
+        monkeypatch.setattr(convert_module, "verify_export",
+                            lambda out, _state, config, tokenizer_dir: verify_export(out, clean, config, tokenizer_dir))
         return state
 
     monkeypatch.setattr(convert_module, "consolidate_checkpoint", consolidate_then_corrupt_one_weight)

@@ -9,8 +9,7 @@ import torch
 import transformers
 
 from bert_ds.config import model_preset
-from bert_ds.export import ExportError, hf_config_dict, to_hf_state_dict
-from bert_ds.model import BertForPreTraining
+from bert_ds.export import ExportError, hf_config_dict, load_hf_pretrained, to_hf_state_dict
 
 
 def _hf_model(vocab_size: int = 77) -> transformers.BertForPreTraining:
@@ -27,7 +26,7 @@ def _hf_model(vocab_size: int = 77) -> transformers.BertForPreTraining:
 def test_hf_to_bert_ds_to_hf_is_exact(tmp_path, pad_to):
     hf = _hf_model()
     hf.save_pretrained(tmp_path)
-    model = BertForPreTraining.from_hf(tmp_path, kernels="torch", pad_vocab_to_multiple_of=pad_to)
+    model = load_hf_pretrained(tmp_path, kernels="torch", pad_vocab_to_multiple_of=pad_to)
     assert model.bert.embeddings.word_embeddings.weight.shape[0] == model.config.padded_vocab_size
     back = to_hf_state_dict(model.state_dict(), model.config)
     reference = hf.state_dict()
@@ -44,7 +43,7 @@ def test_hf_to_bert_ds_to_hf_is_exact(tmp_path, pad_to):
 
 def test_config_overrides_on_import(tmp_path):
     _hf_model().save_pretrained(tmp_path)
-    model = BertForPreTraining.from_hf(tmp_path, hidden_dropout_prob=0.0)
+    model = load_hf_pretrained(tmp_path, hidden_dropout_prob=0.0)
     assert model.config.hidden_dropout_prob == 0.0
 
 
@@ -52,23 +51,23 @@ def test_refuses_other_architectures(tmp_path):
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(gpt2)
     with pytest.raises(ExportError, match="model_type='gpt2'"):
-        BertForPreTraining.from_hf(gpt2)
+        load_hf_pretrained(gpt2)
 
     mlm_only = tmp_path / "mlm"
     config = transformers.BertConfig(**hf_config_dict(model_preset("tiny", vocab_size=40)))
     config.architectures = ["BertForMaskedLM"]
     transformers.BertForMaskedLM(config).save_pretrained(mlm_only)
     with pytest.raises(ExportError, match="BertForMaskedLM"):
-        BertForPreTraining.from_hf(mlm_only)
+        load_hf_pretrained(mlm_only)
     # Without the architectures hint the missing NSP head is still caught, by its weights.
     data = json.loads((mlm_only / "config.json").read_text())
     del data["architectures"]
     (mlm_only / "config.json").write_text(json.dumps(data))
     with pytest.raises(ExportError, match="NSP head"):
-        BertForPreTraining.from_hf(mlm_only)
+        load_hf_pretrained(mlm_only)
 
     with pytest.raises(ExportError, match="config.json"):
-        BertForPreTraining.from_hf(tmp_path / "missing")
+        load_hf_pretrained(tmp_path / "missing")
 
 
 def test_refuses_an_untied_decoder(tmp_path):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import grads_of
 
 import bert_ds.kernels as kernels
 from bert_ds.kernels import attention
 from bert_ds.kernels.attention import attention_torch
+from tests.helpers.kernels import grads_of
 
 # Reference: the SDPA twin in fp32 on the same (upcast) inputs, compared on real-token query rows
 # only (padded query rows may hold anything finite). bf16 rounds P and dS to bf16 before the

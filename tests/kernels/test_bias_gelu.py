@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import grads_of
 
 from bert_ds.kernels import bias_gelu
 from bert_ds.kernels.bias_gelu import bias_gelu_torch
+from tests.helpers.kernels import grads_of
 
 # Reference: the torch twin in fp32 on the same (upcast) inputs. dbias sums ~40 rows, hence the
 # slightly wider bf16 band than the elementwise rounding step (2^-8).

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
@@ -22,5 +24,6 @@ except RuntimeError as e:
 
 def test_interpreter_enabled_after_triton_import_raises_clearly():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                            timeout=HANG_GUARD_S, env=env)
     assert "RAISED:" in result.stdout and "before the first `import triton`" in result.stdout, result.stderr

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bert_ds.kernels.aot import kernel_builds
+from tests.helpers import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernel_report_compiles_everything_without_spills():
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}  # AOT needs no interpreter
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_report.py")], capture_output=True,
-                            text=True, timeout=600, env=env, cwd=ROOT)
+                            text=True, timeout=HANG_GUARD_S, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines()[1:]]
     assert len(rows) == 2 * len(kernel_builds())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
-from kernel_testing import grads_of
 
 from bert_ds.kernels import layer_norm
 from bert_ds.kernels.layer_norm import layer_norm_torch
+from tests.helpers.kernels import grads_of
 
 # Tolerances per input dtype. The reference is the torch twin in fp32 on the same (upcast) inputs;
 # bf16 kernel outputs are rounded to bf16 (relative step 2^-8), fp32 differ only in summation order.
@@ -15,7 +17,8 @@ TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-
 
 
 def _check(shape, dtype, with_residual, eps=1e-12):
-    gen = torch.Generator().manual_seed(hash((shape, str(dtype), with_residual)) % 2**31)
+    # crc32, not hash(): str hashes are salted per process, and a failing case must come back on the next run
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, str(dtype), with_residual)).encode()))
     n = shape[-1]
     x = torch.randn(shape, generator=gen).to(dtype)
     w = (1 + 0.5 * torch.randn(n, generator=gen)).to(dtype)

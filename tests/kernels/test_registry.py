@@ -14,8 +14,34 @@ from bert_ds.kernels.layer_norm import apex_available
 CPU = torch.device("cpu")
 
 
-def test_backends_tuple():
-    assert BACKENDS == ("auto", "triton", "torch", "apex")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_listed_backend_is_understood(backend):
+    # Each name the registry advertises either resolves to a concrete implementation or is refused as unavailable
+    # here (RuntimeError) — never as an unknown name (ValueError).
+    try:
+        resolved = resolve_backend("layer_norm", backend, CPU)
+    except RuntimeError:
+        return
+    assert resolved in ("triton", "torch", "apex")
+
+
+@pytest.mark.parametrize("version", ["3.8.0", "3.10.0", "4.0.1", "garbage"])
+def test_unsupported_triton_is_refused_explicitly_and_auto_falls_back(version, monkeypatch, fresh_warnings):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    with pytest.raises(RuntimeError, match=r"triton.*3\.9"):
+        resolve_backend("attention", "triton", CPU)
+    with pytest.warns(RuntimeWarning, match="falls back"):
+        assert resolve_backend("attention", "auto", torch.device("cuda")) == "torch"
+
+
+def test_supported_triton_version_passes():
+    from bert_ds.kernels.jit import triton_version_problem
+
+    assert triton_version_problem() is None  # the installed one (setup.cfg pins the supported range)
+    assert triton_version_problem("3.9.7") is None
+    assert "3.9" in triton_version_problem("3.11.0")
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "bias_gelu", "attention"])

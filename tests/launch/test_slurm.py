@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
@@ -39,7 +41,7 @@ def test_sbatch_runs_both_phases_with_one_srun_task_per_rank(shards_128, shards_
     # The script asks for 8 nodes x 8 GPUs; these flags shrink it to this machine (command line beats #SBATCH).
     cmd = ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
            "--time=15", f"--output={log}", f"--chdir={REPO}", str(REPO / "slurm" / "pretrain_large.sh")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     out = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, f"sbatch exited {proc.returncode}\n{proc.stderr}\n--- job output\n{out[-6000:]}"
     ckpt = run / "checkpoints"

@@ -15,6 +15,7 @@ import transformers
 from bert_ds.config import model_preset
 from bert_ds.export import hf_config_dict, to_hf_state_dict
 from bert_ds.model import BertForPreTraining
+from tests.helpers import HANG_GUARD_S
 
 
 def _perturbed(config, seed: int = 0) -> BertForPreTraining:
@@ -215,6 +216,7 @@ def test_triton_kernels_match_torch_in_the_interpreter():
     """The model wired to the Triton kernels gives the torch twins' loss and grads. The interpreter must be on
     before triton's first import, so this runs in its own process."""
     pytest.importorskip("triton")
-    result = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True,
+                            timeout=HANG_GUARD_S,
                             env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

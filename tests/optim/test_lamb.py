@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from lamb_harness import BETAS, CLIP, EPS, LR, WEIGHT_DECAY, batch, make_model, max_rel_diff, reference_lamb  # noqa: E402
-
-from bert_ds.optim import UnsupportedZeroSetup, ZeroAwareLamb, bind_optimizer, build_optimizer, no_decay, param_groups  # noqa: E402
+from bert_ds.optim import (
+    GlobalNormClip,
+    UnsupportedZeroSetup,
+    ZeroAwareLamb,
+    bind_optimizer,
+    build_optimizer,
+    no_decay,
+    param_groups,
+)
+from tests.helpers.lamb_harness import (
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    WEIGHT_DECAY,
+    batch,
+    make_model,
+    max_rel_diff,
+    reference_lamb,
+)
 
 
 def train_plain(steps: int, clip: float = CLIP, **lamb_kw) -> dict[str, torch.Tensor]:
@@ -29,9 +42,68 @@ def train_plain(steps: int, clip: float = CLIP, **lamb_kw) -> dict[str, torch.Te
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("trust_ratio", ["all", "decay_only"])
 @pytest.mark.parametrize("clip", [CLIP, 0.0])
-def test_plain_lamb_matches_float64_reference(clip):
-    assert max_rel_diff(train_plain(20, clip=clip), reference_lamb(20, clip=clip)) <= 1e-5
+def test_plain_lamb_matches_float64_reference(clip, trust_ratio):
+    got = train_plain(20, clip=clip, trust_ratio=trust_ratio)
+    assert max_rel_diff(got, reference_lamb(20, clip=clip, trust_ratio=trust_ratio)) <= 1e-5
+
+
+def test_decay_only_takes_plain_steps_on_tensors_without_weight_decay():
+    """One step from zero moments: u = g / (|g| + eps) (bias correction), so a wd-0 tensor moves by exactly lr * u
+    under ``decay_only`` and by lr * ||w|| / ||u|| * u under ``all``."""
+    w0 = torch.tensor([0.5, -1.0, 2.0])
+    moved = {}
+    for rule in ("all", "decay_only"):
+        w = nn.Parameter(w0.clone())
+        w.grad = torch.tensor([1e-3, -2e-3, 4e-3])
+        ZeroAwareLamb([{"params": [w], "weight_decay": 0.0}], lr=0.1, trust_ratio=rule).step()
+        moved[rule] = w0 - w.detach()
+    u = torch.tensor([1e-3, -2e-3, 4e-3]) / (torch.tensor([1e-3, 2e-3, 4e-3]) + 1e-6)
+    torch.testing.assert_close(moved["decay_only"], 0.1 * u)
+    torch.testing.assert_close(moved["all"], 0.1 * w0.norm() / u.norm() * u)
+
+
+def test_old_state_dict_without_trust_ratio_loads():
+    model = make_model()
+    opt = build_optimizer("lamb", model, lr=LR, trust_ratio="decay_only")
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["trust_ratio"]
+    opt.load_state_dict(saved)
+    assert [g["trust_ratio"] for g in opt.param_groups] == ["decay_only", "decay_only"]
+
+
+def test_global_norm_clip_matches_torch():
+    """GlobalNormClip as a step pre-hook clips like torch's clip_grad_norm_ (both divide by norm + 1e-6)."""
+    grads, clip = {}, GlobalNormClip(CLIP)
+    for way in ("hook", "torch"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        if way == "hook":
+            clip.attach(opt)
+        model(*batch(0)).backward()
+        if way == "torch":
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+        opt.step()
+        grads[way] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert clip.last_norm > 10 * CLIP  # the clip is active
+    assert clip.last_norm == pytest.approx(norm, rel=1e-6)
+    assert max_rel_diff(grads["hook"], grads["torch"]) <= 1e-6
+
+
+def test_global_norm_clip_measures_only_at_zero():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    clip = GlobalNormClip(0.0).attach(opt)
+    model(*batch(0)).backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    want = torch.sqrt(sum((g.double() ** 2).sum() for g in before.values()))
+    assert clip.last_norm == pytest.approx(float(want), rel=1e-12)
+    assert all(torch.equal(before[n], p.grad) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="max_norm"):
+        GlobalNormClip(-1.0)
 
 
 def test_trust_clamp_matches_reference():
@@ -74,7 +146,7 @@ def test_replaced_params_without_binding_refuse_to_step():
 
 
 @pytest.mark.parametrize("kw", [dict(lr=-1.0), dict(betas=(0.9, 1.0)), dict(eps=0.0), dict(weight_decay=-0.1),
-                                dict(min_trust=0.5, max_trust=0.1), dict(max_trust=-1.0)])
+                                dict(min_trust=0.5, max_trust=0.1), dict(max_trust=-1.0), dict(trust_ratio="nvlamb")])
 def test_bad_arguments_raise(kw):
     with pytest.raises(ValueError):
         ZeroAwareLamb([nn.Parameter(torch.ones(2))], **kw)
@@ -152,3 +224,27 @@ def test_bind_optimizer_refuses_unknown_wrapper():
         bind_optimizer(SimpleNamespace(optimizer=wrapper, zero_optimization_stage=lambda: 0))
     with pytest.raises(UnsupportedZeroSetup, match="stage 3"):
         bind_optimizer(SimpleNamespace(optimizer=wrapper, zero_optimization_stage=lambda: 3))
+
+
+def test_recipe_trust_ratio_option():
+    from bert_ds.optim import TRUST_RATIO_RULES
+    from bert_ds.recipe import OptimizerConfig
+
+    assert OptimizerConfig().trust_ratio == "all"  # what recipes saved before the option existed trained with
+    for rule in TRUST_RATIO_RULES:
+        assert OptimizerConfig(trust_ratio=rule).trust_ratio == rule
+    with pytest.raises(ValueError, match="optimizer.trust_ratio='nvlamb'"):
+        OptimizerConfig(trust_ratio="nvlamb")
+    with pytest.raises(ValueError, match="LAMB setting"):
+        OptimizerConfig(name="adamw", trust_ratio="decay_only")
+
+
+@pytest.mark.parametrize("name", ["bert_large", "bert_base", "tiny_cpu"])
+def test_shipped_recipes_use_nvidia_convention(name):
+    """NVIDIA's BERT recipe steps apex FusedLAMB with its default use_nvlamb=False: no trust ratio for wd-0 tensors."""
+    from pathlib import Path
+
+    from bert_ds.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "ds_configs" / f"{name}.json")
+    assert recipe.optimizer.name == "lamb" and recipe.optimizer.trust_ratio == "decay_only"

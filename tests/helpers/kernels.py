@@ -1,4 +1,4 @@
-"""Helpers for the kernel tests (imported by name: tests/ has no packages)."""
+"""Helpers for the kernel tests."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Shared pieces of the optimizer tests: a tiny model with awkward shapes, its data, a float64 LAMB reference,
-the naive flat-slice LAMB, and a launcher for real DeepSpeed CPU ranks (gloo)."""
+the naive flat-slice LAMB, and launchers for real DeepSpeed CPU ranks (gloo): ``lamb_zero_worker`` (the tiny model)
+and ``lamb_engine_worker`` (bert_ds's engine on real text)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tests.helpers import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("lamb_zero_worker.py")
+ZERO_WORKER = "tests.helpers.lamb_zero_worker"
+ENGINE_WORKER = "tests.helpers.lamb_engine_worker"
 
 GLOBAL_BATCH = 8
 SEQ = 5
@@ -60,10 +64,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def reference_lamb(steps: int, clip: float = CLIP, min_trust=None, max_trust=None,
+def reference_lamb(steps: int, clip: float = CLIP, min_trust=None, max_trust=None, trust_ratio: str = "all",
                    stats: dict | None = None) -> dict[str, torch.Tensor]:
-    """Float64 LAMB (REFERENCE.md), one tensor at a time, after a DeepSpeed-style global-norm clip.
+    """Float64 LAMB (You et al. 2019, Algorithm 2), one tensor at a time, after a DeepSpeed-style global-norm clip.
 
+    ``trust_ratio="decay_only"``: tensors without weight decay take ``r = 1`` (apex ``FusedLAMB`` default).
     ``stats["clipped_steps"]`` counts the steps on which the clip was active.
     """
     model = make_model().double()
@@ -92,7 +97,9 @@ def reference_lamb(steps: int, clip: float = CLIP, min_trust=None, max_trust=Non
                 v[n] = b2 * v[n] + (1 - b2) * g * g
                 u = (m[n] / (1 - b1**t)) / (torch.sqrt(v[n] / (1 - b2**t)) + EPS) + decay[n] * p
                 wn, un = p.norm(), u.norm()
-                if wn > 0 and un > 0:
+                if trust_ratio == "decay_only" and decay[n] == 0.0:
+                    r = 1.0
+                elif wn > 0 and un > 0:
                     r = wn / un
                     if min_trust is not None:
                         r = max(r, torch.tensor(min_trust, dtype=r.dtype))
@@ -144,14 +151,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world_size: int, out_dir: Path, jobs: list[str], steps: int = 20, timeout: float = 480.0,
-           ckpt_from: Path | None = None) -> dict:
-    """Run ``lamb_zero_worker.py`` jobs on ``world_size`` CPU ranks (gloo) in one process per rank.
-
-    Returns ``{job: {"ranks": [per-rank JSON], "params": [per-rank params or None]}}``. Ranks are spawned directly
-    with the torch.distributed env variables (what the ``deepspeed`` launcher sets) to keep runs short on a shared
-    2-core machine.
-    """
+def run_ranks(world_size: int, out_dir: Path, module: str, args: list[str]) -> None:
+    """Run ``python -m module args`` on ``world_size`` CPU ranks (gloo), one process per rank; raise with the failed
+    ranks' log tails. Ranks are spawned directly with the torch.distributed env variables (what the ``deepspeed``
+    launcher sets) to keep runs short on a shared 2-core machine."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -160,13 +163,11 @@ def launch(world_size: int, out_dir: Path, jobs: list[str], steps: int = 20, tim
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(WORKER), f"--out={out_dir}", f"--jobs={','.join(jobs)}", f"--steps={steps}"]
-        if ckpt_from is not None:
-            cmd.append(f"--ckpt_from={ckpt_from}")
+        cmd = [sys.executable, "-m", module, *args]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
     try:
         for p, _ in procs:
-            p.wait(timeout=timeout)
+            p.wait(timeout=HANG_GUARD_S)
     finally:
         for p, log in procs:
             if p.poll() is None:
@@ -177,6 +178,17 @@ def launch(world_size: int, out_dir: Path, jobs: list[str], steps: int = 20, tim
     if failed:
         logs = "\n".join((out_dir / f"rank{r}.log").read_text()[-3000:] for r in failed)
         raise RuntimeError(f"ranks {failed} failed:\n{logs}")
+
+
+def launch(world_size: int, out_dir: Path, jobs: list[str], steps: int = 20, ckpt_from: Path | None = None) -> dict:
+    """Run ``lamb_zero_worker`` jobs on ``world_size`` CPU ranks.
+
+    Returns ``{job: {"ranks": [per-rank JSON], "params": [per-rank params or None]}}``.
+    """
+    args = [f"--out={out_dir}", f"--jobs={','.join(jobs)}", f"--steps={steps}"]
+    if ckpt_from is not None:
+        args.append(f"--ckpt_from={ckpt_from}")
+    run_ranks(world_size, out_dir, ZERO_WORKER, args)
     results = {}
     for job in jobs:
         d = out_dir / job
@@ -184,3 +196,25 @@ def launch(world_size: int, out_dir: Path, jobs: list[str], steps: int = 20, tim
         results[job] = {"ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(world_size)],
                         "params": [torch.load(p) if p.exists() else None for p in params]}
     return results
+
+
+def launch_engine_runs(world_size: int, out_dir: Path, jobs: list[str], steps: int, data: Path,
+                       vocab: Path) -> dict[str, dict]:
+    """Run ``lamb_engine_worker`` jobs (``z<stage>-<clip|noclip>-<trust_ratio>``) on ``world_size`` CPU ranks.
+
+    Returns ``{job: {"params": rank 0's final weights (fp64), "grad_norms": per-step TrainEngine.grad_norm(),
+    "independent_norms": per-step fp64 norm of the averaged gradients, stage 0 only (else empty)}}``.
+    """
+    run_ranks(world_size, out_dir, ENGINE_WORKER, [f"--out={out_dir}", f"--jobs={','.join(jobs)}", f"--steps={steps}",
+                                                   f"--data={data}", f"--vocab={vocab}"])
+    return {job: {"params": torch.load(out_dir / job / "params.pt"),
+                  **json.loads((out_dir / job / "norms.json").read_text())} for job in jobs}
+
+
+def max_rel_diff_excluding(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                           excluded: tuple[str, ...]) -> tuple[float, str]:
+    """``max_rel_diff`` over the tensors whose name contains none of ``excluded``, and the worst tensor's name."""
+    kept = [n for n in b if not any(e in n for e in excluded)]
+    diffs = {n: max_rel_diff({n: a[n]}, {n: b[n]}) for n in kept}
+    worst = max(diffs, key=diffs.get)
+    return diffs[worst], worst

@@ -1,10 +1,12 @@
-"""DeepSpeed CPU ranks (gloo) for the optimizer tests; spawned by ``lamb_harness.launch``. Not collected by pytest.
+"""DeepSpeed CPU ranks (gloo) for the optimizer tests; spawned by ``tests.helpers.lamb_harness.launch`` as
+``python -m tests.helpers.lamb_zero_worker``. Not a test module.
 
 One process runs a list of jobs (``--jobs``) so the deepspeed import and process-group setup are paid once. Each job
 writes ``<out>/<job>/rank<r>.json`` (and ``params_rank<r>.pt`` for training jobs). Jobs:
 
   zero0, zero1, zero2, zero2_noclip   -- ZeroAwareLamb, ``--steps`` steps (zero2*: round-robin gradients on)
   zero2_aligned                       -- ZeRO-2 with parameter_alignment (padding gaps between tensors)
+  zero1_decay_only, zero2_decay_only  -- trust_ratio="decay_only" (no trust ratio for weight-decay-0 tensors)
   naive                               -- the flat-slice LAMB under ZeRO-2: one trust ratio per rank slice
   ckpt      -- ZeRO-2: train, save, train more; a fresh engine loads the checkpoint and must continue identically
   ckpt_elastic    -- the same with zero_optimization.elastic_checkpoint (what bert_ds.engine configures)
@@ -23,15 +25,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import deepspeed
+import deepspeed.comm as dist
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import deepspeed  # noqa: E402
-import deepspeed.comm as dist  # noqa: E402
-from lamb_harness import BETAS, CLIP, EPS, GLOBAL_BATCH, LR, WEIGHT_DECAY, NaiveLamb, batch, make_model  # noqa: E402
-
-from bert_ds.optim import UnsupportedZeroSetup, ZeroAwareLamb, bind_optimizer, build_optimizer, param_groups  # noqa: E402
+from bert_ds.optim import (
+    GlobalNormClip,
+    UnsupportedZeroSetup,
+    ZeroAwareLamb,
+    bind_optimizer,
+    build_optimizer,
+    param_groups,
+)
+from tests.helpers.lamb_harness import BETAS, CLIP, EPS, GLOBAL_BATCH, LR, WEIGHT_DECAY, NaiveLamb, batch, make_model
 
 
 def ds_config(stage: int, world: int, clip: float, round_robin: bool, aligned: bool = False,
@@ -54,15 +60,18 @@ def ds_config(stage: int, world: int, clip: float, round_robin: bool, aligned: b
 
 def make_engine(stage: int, optimizer: str = "lamb", clip: float = CLIP, round_robin: bool = False,
                 aligned: bool = False, elastic: bool = False, universal: bool = False, seed: int = 0,
-                bind: bool = True):
+                bind: bool = True, trust_ratio: str = "all"):
     model = make_model(seed)
     if optimizer == "lamb":
         opt = build_optimizer("lamb", model, lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS,
-                              zero_stage=min(stage, 2))
+                              zero_stage=min(stage, 2), trust_ratio=trust_ratio)
     else:
         opt = NaiveLamb(param_groups(model, WEIGHT_DECAY))
     world = int(os.environ["WORLD_SIZE"])
-    config = ds_config(stage, world, clip, round_robin, aligned, elastic)
+    # stage 0: bert_ds's clip (fp64 norm, as ZeRO 1/2), not DeepSpeed's fp32-norm one; see bert_ds/optim/clip.py
+    config = ds_config(stage, world, 0.0 if stage == 0 else clip, round_robin, aligned, elastic)
+    if stage == 0:
+        GlobalNormClip(clip).attach(opt)
     if universal:
         config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -91,6 +100,8 @@ TRAIN_JOBS = {
     "zero2": dict(stage=2, round_robin=True),
     "zero2_noclip": dict(stage=2, round_robin=True, clip=0.0),
     "zero2_aligned": dict(stage=2, aligned=True),
+    "zero1_decay_only": dict(stage=1, trust_ratio="decay_only"),
+    "zero2_decay_only": dict(stage=2, round_robin=True, trust_ratio="decay_only"),
     "naive": dict(stage=2, round_robin=True, optimizer="naive"),
 }
 

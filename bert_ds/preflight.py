@@ -1,0 +1,184 @@
+"""Pre-flight: every check a run needs, done before any compute, producing the plan the phase loop follows.
+
+``plan_run`` reads the recipe, the command line, the tokenizer, every shard set's ``index.json`` and the run
+directory's newest checkpoint, and either raises one ``ValueError`` naming the culprit (exit 2, nothing computed or
+written) or returns a :class:`RunPlan`: which phases to run, where their data is, the model config, and where to
+start (fresh, mid-phase resume, or a phase hand-off).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from bert_ds import checkpoint as ckpt
+from bert_ds.config import BertConfig
+from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
+
+__all__ = ["RunPlan", "StartPoint", "plan_run"]
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    phase: int
+    """Index of the phase the run starts in."""
+    step: int
+    """Optimizer steps already done in that phase."""
+    tag: str | None
+    """Checkpoint to load, or None for a fresh start."""
+    handoff: bool
+    """``tag`` is the finished previous phase: take its weights and moments, start the phase at step 0."""
+
+
+@dataclass
+class RunPlan:
+    args: argparse.Namespace
+    recipe: Recipe
+    rank: int
+    world_size: int
+    run_dir: Path
+    phases: list[int]
+    """Phase indices this invocation may run, in order."""
+    data: dict[int, str]
+    eval_data: dict[int, str]
+    vocab_sha256: str
+    model_config: BertConfig
+    precision: str
+    """Resolved precision: fp32 / bf16 / fp16."""
+    start: StartPoint
+    nothing_to_do: str | None
+    """Why the run has nothing left to do (then ``start`` is not run), or None."""
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return ckpt.checkpoint_dir(self.run_dir)
+
+    def first_step_of(self, phase: int) -> int:
+        """Run-global step number of ``phase``'s step 0 (the step axis of the logs and of ``--max-steps``)."""
+        return sum(ph.steps for ph in self.recipe.phases[:phase])
+
+
+def _phase_dirs(dirs: list[str] | None, phases: list[int], n_phases: int, flag: str) -> dict[int, str]:
+    if not dirs:
+        return {}
+    if len(dirs) == n_phases:
+        return {p: dirs[p] for p in phases}
+    if len(dirs) == 1 and (len(phases) == 1 or flag == "--eval-data"):
+        return {p: dirs[0] for p in phases}
+    raise ValueError(f"{flag}: got {len(dirs)} directories for a recipe with {n_phases} phase(s); give one per phase")
+
+
+def _selected_phases(args: argparse.Namespace, recipe: Recipe) -> list[int]:
+    n = len(recipe.phases)
+    if args.phase == "2" and n < 2:
+        raise ValueError(f"--phase 2: recipe {args.recipe} has only {n} phase")
+    return list(range(n)) if args.phase == "all" else [int(args.phase) - 1]
+
+
+def _model_config(args: argparse.Namespace, recipe: Recipe, vocab_size: int) -> BertConfig:
+    config = recipe.model_config(vocab_size)
+    if not args.init_from_hf:
+        return config
+    from bert_ds.export.hf import bert_config_from_hf
+
+    # The HF model's shape replaces the recipe's preset; dropout stays the recipe's.
+    hf_config = bert_config_from_hf(args.init_from_hf, config.pad_vocab_to_multiple_of,
+                                    hidden_dropout_prob=config.hidden_dropout_prob,
+                                    attention_probs_dropout_prob=config.attention_probs_dropout_prob)
+    if hf_config.vocab_size != vocab_size:
+        raise ValueError(f"--init-from-hf {args.init_from_hf}: field 'vocab_size' is {hf_config.vocab_size} but the "
+                         f"tokenizer/shards have {vocab_size}")
+    return hf_config
+
+
+def _check_shards(recipe: Recipe, phases: list[int], dirs_by_flag: dict[str, dict[int, str]], world_size: int,
+                  vocab_sha256: str, vocab_size: int) -> None:
+    """Batch sizes divide for this rank count; every shard set matches its phase and the tokenizer."""
+    from bert_ds.data.index import ShardIndex
+
+    for p in phases:
+        phase = recipe.phases[p]
+        gradient_accumulation_steps(phase, world_size, f"phases[{p}]")
+        for flag, dirs in dirs_by_flag.items():
+            if p not in dirs:
+                continue
+            index = ShardIndex.load(dirs[p])
+            index.check_compatible(seq_len=phase.seq_len, vocab_sha256=vocab_sha256, vocab_size=vocab_size,
+                                   where=f"{flag} {dirs[p]} (phases[{p}])")
+            shard_preds = index.masking.get("max_predictions")
+            if not phase.dynamic_masking and shard_preds is not None and shard_preds > phase.max_predictions:
+                raise ValueError(f"{flag} {dirs[p]}/index.json: field 'masking.max_predictions' is {shard_preds} "
+                                 f"but phases[{p}].max_predictions is {phase.max_predictions}")
+
+
+def _fresh_start(args: argparse.Namespace, phases: list[int], ckpt_dir: Path) -> StartPoint:
+    if phases[0] > 0 and not args.init_from_hf:
+        if args.resume == "none":
+            raise ValueError("--phase 2 starts from phase 1's final checkpoint in --output (use --resume auto) "
+                             "or from --init-from-hf")
+        raise ValueError(f"--phase 2: {ckpt_dir} holds no phase-1 checkpoint to start from; "
+                         "run phase 1 first or pass --init-from-hf")
+    return StartPoint(phase=phases[0], step=0, tag=None, handoff=False)
+
+
+def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ckpt_dir: Path) -> StartPoint:
+    """Where the run starts: fresh, inside the newest checkpoint's phase, or at the next phase after it."""
+    tag = ckpt.read_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    if args.resume == "none" and tag is not None:
+        raise ValueError(f"{ckpt_dir} already holds checkpoint {tag!r}: pass --resume auto to continue it, or choose "
+                         f"a new --output")
+    if tag is None:
+        return _fresh_start(args, phases, ckpt_dir)
+    state = ckpt.read_run_state(ckpt_dir, tag)
+    blockers = resume_blockers(state["recipe"], recipe)
+    if blockers:
+        raise ValueError(f"--resume auto: checkpoint {tag!r} was made with a different recipe; field(s) "
+                         f"{blockers} differ from {args.recipe}. Use a new --output or the original recipe.")
+    if state["phase_done"]:
+        return StartPoint(phase=state["phase"] + 1, step=0, tag=tag, handoff=True)
+    return StartPoint(phase=state["phase"], step=state["step"], tag=tag, handoff=False)
+
+
+def _nothing_to_do(plan: RunPlan) -> str | None:
+    """A message when the selected phases are already done, or ``--max-steps`` is already reached."""
+    start, phases = plan.start, plan.phases
+    if start.phase >= len(plan.recipe.phases) or start.phase not in phases and start.phase > max(phases):
+        return f"nothing to do: {start.tag} already finished the selected phase(s)"
+    if start.phase not in phases:
+        raise ValueError(f"--phase {plan.args.phase}: the newest checkpoint {start.tag!r} is in phase "
+                         f"{start.phase + 1}")
+    max_steps = plan.args.max_steps
+    if max_steps is not None and plan.first_step_of(start.phase) + start.step >= max_steps:
+        # re-running a finished --max-steps command trains nothing and saves nothing
+        return f"nothing to do: --max-steps {max_steps} already reached at {start.tag}"
+    return None
+
+
+def plan_run(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int) -> RunPlan:
+    """Check everything before compute and return the plan; raises ValueError/FileNotFoundError naming the culprit."""
+    from deepspeed.accelerator import get_accelerator
+
+    from bert_ds.data.tokenizer import load_tokenizer
+    from bert_ds.deepspeed_internals import check_deepspeed_version
+    from bert_ds.engine import check_optimizer_support, resolve_precision
+
+    check_deepspeed_version()  # bert_ds relies on DeepSpeed-version-specific internals
+    phases = _selected_phases(args, recipe)
+    n = len(recipe.phases)
+    data = _phase_dirs(args.data, phases, n, "--data")
+    eval_data = _phase_dirs(args.eval_data, phases, n, "--eval-data")
+    # The vocabulary is the tokenizer's; every shard set (training and eval, every phase) must agree.
+    tokenizer = load_tokenizer(args.tokenizer)
+    precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
+    check_optimizer_support(recipe, precision)  # refusals name the recipe fields
+    model_config = _model_config(args, recipe, tokenizer.vocab_size)
+    _check_shards(recipe, phases, {"--data": data, "--eval-data": eval_data}, world_size, tokenizer.vocab_sha256,
+                  tokenizer.vocab_size)
+    run_dir = Path(args.output)
+    start = _start_point(args, recipe, phases, ckpt.checkpoint_dir(run_dir))
+    plan = RunPlan(args=args, recipe=recipe, rank=rank, world_size=world_size, run_dir=run_dir, phases=phases,
+                   data=data, eval_data=eval_data, vocab_sha256=tokenizer.vocab_sha256, model_config=model_config,
+                   precision=precision, start=start, nothing_to_do=None)
+    plan.nothing_to_do = _nothing_to_do(plan)
+    return plan

@@ -1,0 +1,347 @@
+"""One phase of pre-training: set-up, the step loop, and its small named pieces.
+
+A phase is: build the model (fresh, from Hugging Face, or from the previous phase's weights), wrap it in the DeepSpeed
+engine, restore a checkpoint if resuming, then loop ``train_step`` -> ``NonFiniteGuard.check`` -> log -> evaluate ->
+checkpoint -> stop? until the phase's steps are done. Every rank runs the same loop and takes every decision from
+values all-reduced inside the step, so all ranks stop, save and exit at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from bert_ds import checkpoint as ckpt
+from bert_ds.distributed import seed_everything
+from bert_ds.preflight import RunPlan, StartPoint
+
+__all__ = ["EXIT_PREEMPTED", "NonFiniteLossError", "NonFiniteGuard", "PhaseOutcome", "Preemption", "StepRecord",
+           "run_phase", "train_step"]
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a Slurm requeue wrapper checks for
+log = logging.getLogger("bert_ds.pretrain")
+_MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids")
+
+# Per-rank quantities a step sums over its micro batches; one all-reduce sums them over ranks. The flags are summed
+# too, so every rank sees whether *any* rank was signalled or holds non-finite weights, and decides the same.
+_SUMMED = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_total", "nsp_correct", "nsp_total",
+           "preempt_requested", "nonfinite_weights")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss, gradient norm or updated weights stayed non-finite; the last good checkpoint is kept (exit 3)."""
+
+
+class Preemption:
+    """SIGTERM/SIGUSR1 only set a flag; the loop checkpoints at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step, reduced over ranks and micro batches."""
+
+    loss: float
+    mlm_loss: float
+    nsp_loss: float | None
+    mlm_accuracy: float
+    nsp_accuracy: float | None
+    grad_norm: float | None
+    lr: float
+    step_time: float
+    applied: bool
+    """False when the fp16 loss scaler skipped the update."""
+    weights_finite: bool
+    preempt_requested: bool
+
+    @property
+    def update_finite(self) -> bool:
+        return math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
+
+    @property
+    def saveable(self) -> bool:
+        """Weights worth saving: finite, and made by a finite update or left alone (a skipped step)."""
+        return self.weights_finite and (self.update_finite or not self.applied)
+
+
+def _micro_batch(te, it: Iterator[dict], nsp: bool, totals: torch.Tensor) -> None:
+    """Forward + backward (+ the optimizer step at the accumulation boundary) of one micro batch; adds to ``totals``."""
+    engine = te.engine
+    batch = next(it)
+    inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in _MODEL_INPUTS}
+    if nsp:
+        inputs["next_sentence_label"] = batch["next_sentence_label"].to(engine.device, non_blocking=True)
+    out = engine(**inputs)
+    engine.backward(out.loss)
+    engine.step()
+    nsp_loss = out.nsp_loss if out.nsp_loss is not None else torch.zeros_like(out.mlm_loss)
+    counts = (out.mlm_correct, out.mlm_total, out.nsp_correct, out.nsp_total)
+    totals[:7] += torch.stack([out.loss.detach(), out.mlm_loss.detach(), nsp_loss.detach(),
+                               *(c.to(out.loss.dtype) for c in counts)]).double()
+
+
+def train_step(te, it: Iterator[dict], nsp: bool, preemption: Preemption, world_size: int) -> StepRecord:
+    """One optimizer step over ``te.accumulation`` micro batches; one host sync (the all-reduce of the totals)."""
+    import deepspeed.comm as dist
+
+    engine = te.engine
+    t0 = time.perf_counter()
+    lr = te.current_lr()  # the lr this step uses (the scheduler advances inside engine.step)
+    totals = torch.zeros(len(_SUMMED), dtype=torch.float64, device=engine.device)
+    for _ in range(te.accumulation):
+        _micro_batch(te, it, nsp, totals)
+    totals[_SUMMED.index("preempt_requested")] = float(preemption.requested)
+    # The loss above was computed before this step's update; only the updated weights show an update that
+    # overflowed. One pass over the parameters, reduced with the rest: no extra host sync.
+    finite = torch.stack([q.detach().isfinite().all() for q in engine.module.parameters()]).all()
+    totals[_SUMMED.index("nonfinite_weights")] = (~finite).double()
+    dist.all_reduce(totals)
+    s = dict(zip(_SUMMED, totals.tolist(), strict=True))
+    n_micro = te.accumulation * world_size
+    return StepRecord(loss=s["loss"] / n_micro, mlm_loss=s["mlm_loss"] / n_micro,
+                      nsp_loss=s["nsp_loss"] / n_micro if nsp else None,
+                      mlm_accuracy=s["mlm_correct"] / max(s["mlm_total"], 1.0),
+                      nsp_accuracy=s["nsp_correct"] / max(s["nsp_total"], 1.0) if nsp else None,
+                      grad_norm=te.grad_norm(), lr=lr, step_time=time.perf_counter() - t0,
+                      applied=engine.was_step_applied(), weights_finite=s["nonfinite_weights"] == 0,
+                      preempt_requested=s["preempt_requested"] > 0)
+
+
+class NonFiniteGuard:
+    """Counts consecutive non-finite steps and raises after ``limit``; fp16 steps the loss scaler skipped (weights
+    unchanged) are not counted."""
+
+    def __init__(self, limit: int, phase: int, precision: str, rank: int) -> None:
+        self.limit, self.phase, self.precision, self.rank = limit, phase, precision, rank
+        self.in_a_row = 0
+
+    def check(self, rec: StepRecord, step: int, last_good: str | None, where: str) -> None:
+        if rec.update_finite and rec.weights_finite:
+            self.in_a_row = 0
+            return
+        p = self.phase
+        if self.precision == "fp16" and not rec.applied and rec.weights_finite:
+            if self.rank == 0:  # the scaler halves the scale and retries; the weights are unchanged
+                log.warning("non-finite loss at phase %d step %d: fp16 loss scaler skipped the step", p + 1, step)
+            return
+        self.in_a_row += 1
+        what = "loss/grad norm" if rec.weights_finite else "weights after the update"
+        if self.in_a_row >= self.limit:
+            raise NonFiniteLossError(
+                f"non-finite {what} (loss {rec.loss}) for {self.in_a_row} consecutive steps at phase {p + 1} step "
+                f"{step} (logging.max_nonfinite_steps={self.limit}); last good checkpoint: {last_good or 'none'} in "
+                f"{where}. Lower phases[{p}].lr or check the data; resume with --resume auto.")
+        log.warning("non-finite %s at phase %d step %d (%d in a row)", what, p + 1, step, self.in_a_row)
+
+
+@dataclass
+class _Phase:
+    """The live objects of one phase and its position."""
+
+    index: int
+    te: object
+    loader: object
+    eval_loader: object | None
+    step: int
+    consumed: int
+    last_good: str | None
+
+
+@dataclass(frozen=True)
+class PhaseOutcome:
+    exit_code: int | None
+    """Stop the run with this code, or None to go on to the next phase."""
+    last_tag: str | None
+    """The phase's last saved checkpoint: the next phase starts from it."""
+
+
+def _build_model_and_engine(plan: RunPlan, p: int, start: StartPoint):
+    from bert_ds.deepspeed_internals import load_optimizer_moments
+    from bert_ds.engine import build_engine, build_model
+
+    state_dict = None
+    if start.handoff:
+        if not ckpt.read_run_state(plan.ckpt_dir, start.tag)["phase_done"]:
+            raise ValueError(f"phase {p + 1} cannot start from {start.tag!r}: its run_state.json has phase_done "
+                             f"false (phase {p} did not finish there)")
+        log.info("phase %d starts from %s: weights and optimizer moments, step count 0, new schedule", p + 1,
+                 start.tag)
+        state_dict = ckpt.consolidated_state_dict(plan.ckpt_dir, start.tag)
+    init_hf = plan.args.init_from_hf if start.tag is None else None  # a fresh start of the first phase run
+    model = build_model(plan.recipe, plan.model_config, init_from_hf=init_hf, state_dict=state_dict)
+    te = build_engine(plan.recipe, p, model, plan.world_size)
+    if start.handoff:
+        saved_world = ckpt.read_run_state(plan.ckpt_dir, start.tag)["world_size"]
+        load_optimizer_moments(te.engine, plan.ckpt_dir, start.tag, saved_world)
+    return te
+
+
+def _build_loaders(plan: RunPlan, p: int):
+    from bert_ds.data.loader import DynamicMasking, build_eval_loader, build_loader
+
+    recipe, phase = plan.recipe, plan.recipe.phases[p]
+    masking = None
+    if phase.dynamic_masking:  # [MASK]'s id comes from the tokenizer
+        masking = DynamicMasking.from_tokenizer(plan.args.tokenizer, masked_lm_prob=phase.masked_lm_prob,
+                                                max_predictions=phase.max_predictions)
+    # Data order depends on the recipe seed and the phase only: the same for any number of ranks.
+    loader = build_loader(plan.data[p], global_batch_size=phase.global_batch_size,
+                          micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
+                          seed=recipe.seed + p, num_workers=plan.args.num_workers, expected_seq_len=phase.seq_len,
+                          expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
+                          dynamic_masking=masking, shuffle_window_shards=phase.shuffle_window_shards)
+    eval_loader = None
+    if p in plan.eval_data:
+        eval_loader = build_eval_loader(plan.eval_data[p], micro_batch_size=phase.micro_batch_size, rank=plan.rank,
+                                        world_size=plan.world_size, expected_seq_len=phase.seq_len,
+                                        expected_vocab_sha256=plan.vocab_sha256,
+                                        max_predictions=phase.max_predictions)
+    elif phase.target_mlm_accuracy is not None and plan.rank == 0:
+        log.warning("phases[%d].target_mlm_accuracy=%s is ignored without --eval-data for phase %d: it runs all %d "
+                    "steps", p, phase.target_mlm_accuracy, p + 1, phase.steps)
+    return loader, eval_loader
+
+
+def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
+    """Mid-phase resume: engine, loader position and (same rank count) each rank's random streams."""
+    from bert_ds.deepspeed_internals import load_checkpoint
+
+    p, tag = ph.index, start.tag
+    saved_world = ckpt.read_run_state(plan.ckpt_dir, tag)["world_size"]
+    saved = load_checkpoint(ph.te.engine, plan.ckpt_dir, tag, saved_world)["bert_ds"]
+    ph.loader.load_state_dict(saved["loader"])
+    ph.consumed = saved["consumed_samples"]
+    rng_file = plan.ckpt_dir / tag / f"rng_rank{plan.rank:05d}.pt"
+    if saved["world_size"] == plan.world_size and rng_file.is_file():
+        ckpt.load_rng_state(rng_file)
+    else:  # another rank count: per-rank RNG streams cannot carry over (only dropout draws from them)
+        seed_everything(plan.recipe.seed + 1000 * p + 7919 * start.step + plan.rank)
+    log.info("resumed %s: phase %d step %d, %d samples consumed (saved on %d ranks, now %d)", tag, p + 1,
+             start.step, ph.consumed, saved["world_size"], plan.world_size)
+
+
+def _start_phase(plan: RunPlan, p: int, start: StartPoint) -> _Phase:
+    te = _build_model_and_engine(plan, p, start)
+    loader, eval_loader = _build_loaders(plan, p)
+    ph = _Phase(index=p, te=te, loader=loader, eval_loader=eval_loader, step=start.step, consumed=0,
+                last_good=start.tag)
+    if start.tag is not None and not start.handoff:
+        _restore(plan, ph, start)
+    else:
+        seed_everything(plan.recipe.seed + 1000 * p + plan.rank)
+    return ph
+
+
+def _save(plan: RunPlan, ph: _Phase, metrics, done: bool) -> None:
+    recipe = plan.recipe
+    metrics.flush()
+    state = {"recipe": recipe.to_dict(), "phase": ph.index, "step": ph.step, "phase_done": done,
+             "global_step": plan.first_step_of(ph.index) + ph.step, "consumed_samples": ph.consumed,
+             "loader": ph.loader.state_dict(), "world_size": plan.world_size,
+             "zero_stage": recipe.deepspeed.zero_stage, "precision": ph.te.precision}
+    tag = ckpt.tag_for(ph.index, ph.step)
+    ckpt.save_checkpoint(ph.te.engine, plan.run_dir, tag, state, recipe.logging.keep_last_k)
+    ph.last_good = tag
+    if plan.rank == 0:
+        print(f"checkpoint {plan.ckpt_dir / tag}", flush=True)
+
+
+def _loss_scale(te) -> float | None:
+    """The fp16 dynamic loss scale (None in fp32/bf16, which need none)."""
+    return getattr(te.engine.optimizer, "cur_scale", None) if te.precision == "fp16" else None
+
+
+def _log_step(plan: RunPlan, ph: _Phase, rec: StepRecord, metrics) -> None:
+    phase = plan.recipe.phases[ph.index]
+    metrics.log_step(plan.first_step_of(ph.index) + ph.step, phase=ph.index + 1, seq_len=phase.seq_len,
+                     max_predictions=phase.max_predictions, loss=rec.loss, mlm_loss=rec.mlm_loss,
+                     nsp_loss=rec.nsp_loss, mlm_accuracy=rec.mlm_accuracy, nsp_accuracy=rec.nsp_accuracy, lr=rec.lr,
+                     grad_norm=rec.grad_norm, loss_scale=_loss_scale(ph.te), samples=phase.global_batch_size,
+                     step_time=rec.step_time, consumed_samples=ph.consumed)
+
+
+def _evaluate_and_maybe_stop(plan: RunPlan, ph: _Phase, metrics, done: bool) -> bool:
+    """Evaluate at the eval interval and at the phase end; returns whether the phase is done (the eval accuracy
+    reached ``target_mlm_accuracy`` ends it early)."""
+    from bert_ds.evaluate import evaluate
+
+    phase = plan.recipe.phases[ph.index]
+    if ph.eval_loader is None or not (done or (phase.eval_interval and ph.step % phase.eval_interval == 0)):
+        return done
+    engine = ph.te.engine
+    result = evaluate(engine.module, ph.eval_loader, engine.device)
+    metrics.log_eval(plan.first_step_of(ph.index) + ph.step, result)
+    engine.train()
+    accuracy = result.get("mlm_accuracy")
+    target = phase.target_mlm_accuracy
+    if done or target is None or accuracy is None or accuracy < target:
+        return done
+    if plan.rank == 0:
+        print(f"phase {ph.index + 1}: eval mlm_accuracy {accuracy:.4f} >= target {target} at step {ph.step}; "
+              f"ending the phase", flush=True)
+    return True
+
+
+def _max_steps_reached(plan: RunPlan, ph: _Phase) -> bool:
+    max_steps = plan.args.max_steps
+    return max_steps is not None and plan.first_step_of(ph.index) + ph.step >= max_steps
+
+
+def _checkpoint_and_stop(plan: RunPlan, ph: _Phase, rec: StepRecord, metrics, done: bool) -> int | None:
+    """Save when the phase ends, on pre-emption, at ``--max-steps`` and at the checkpoint interval; returns the
+    exit code to stop with (0 or 75), or None to go on."""
+    phase = plan.recipe.phases[ph.index]
+    capped = _max_steps_reached(plan, ph)
+    must_save = done or rec.preempt_requested or capped
+    if must_save and not rec.saveable:
+        # The phase end (or stop) would hand on weights no finite update produced; never save those.
+        raise NonFiniteLossError(
+            f"phase {ph.index + 1} stops at step {ph.step} with non-finite weights or update (loss {rec.loss}); last "
+            f"good checkpoint: {ph.last_good or 'none'} in {plan.ckpt_dir}. Lower phases[{ph.index}].lr or check the "
+            f"data; resume with --resume auto.")
+    if rec.saveable and (must_save or (phase.checkpoint_interval and ph.step % phase.checkpoint_interval == 0)):
+        _save(plan, ph, metrics, done)
+    if rec.preempt_requested:
+        if plan.rank == 0:
+            print(f"pre-empted: checkpointed at phase {ph.index + 1} step {ph.step}; exit {EXIT_PREEMPTED}",
+                  flush=True)
+        return EXIT_PREEMPTED
+    if capped and not done:
+        return 0
+    return None
+
+
+def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Preemption) -> PhaseOutcome:
+    """Train phase ``p`` from ``start`` to its end (or a stop: pre-emption, ``--max-steps``, early stop at the
+    target eval accuracy)."""
+    recipe, phase = plan.recipe, plan.recipe.phases[p]
+    ph = _start_phase(plan, p, start)
+    guard = NonFiniteGuard(recipe.logging.max_nonfinite_steps, p, ph.te.precision, plan.rank)
+    it = iter(ph.loader)
+    ph.te.engine.train()
+    while ph.step < phase.steps:
+        rec = train_step(ph.te, it, recipe.nsp, preemption, plan.world_size)
+        ph.step += 1
+        ph.consumed += phase.global_batch_size
+        guard.check(rec, ph.step, ph.last_good, str(plan.ckpt_dir))
+        _log_step(plan, ph, rec, metrics)
+        done = _evaluate_and_maybe_stop(plan, ph, metrics, ph.step >= phase.steps)
+        code = _checkpoint_and_stop(plan, ph, rec, metrics, done)
+        if code is not None:
+            return PhaseOutcome(exit_code=code, last_tag=ph.last_good)
+        if done:
+            break
+    return PhaseOutcome(exit_code=0 if _max_steps_reached(plan, ph) else None, last_tag=ph.last_good)

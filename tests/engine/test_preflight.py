@@ -1,0 +1,65 @@
+"""Pre-flight in-process: the plan a command line and a run directory produce, and the refusals, before any compute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bert_ds.preflight import StartPoint, plan_run
+from bert_ds.pretrain import parse_args
+from bert_ds.recipe import Recipe
+from tests.helpers.runs import SMALL_RECIPE, write_recipe
+
+
+def _plan(tmp_path: Path, data: tuple[Path, Path], *extra: str, recipe: dict | None = None, world_size: int = 1):
+    path = write_recipe(tmp_path / "recipe.json", base=recipe)
+    args = parse_args(["--recipe", str(path), "--data", *map(str, data), "--tokenizer",
+                       str(data[0].parent / "tokenizer"), "--output", str(tmp_path / "run"), *extra])
+    return plan_run(args, Recipe.from_dict(json.loads(path.read_text())), rank=0, world_size=world_size)
+
+
+def _fake_checkpoint(run: Path, phase: int, step: int, done: bool) -> str:
+    """The two files pre-flight reads of a checkpoint: ``latest`` and the tag's run_state.json."""
+    tag = f"phase{phase + 1}-step{step:06d}"
+    (run / "checkpoints" / tag).mkdir(parents=True)
+    state = {"recipe": Recipe.from_dict(SMALL_RECIPE).to_dict(), "phase": phase, "step": step, "phase_done": done,
+             "world_size": 1}
+    (run / "checkpoints" / tag / "run_state.json").write_text(json.dumps(state))
+    (run / "checkpoints" / "latest").write_text(tag)
+    return tag
+
+
+def test_fresh_plan(synthetic_data, tmp_path):
+    plan = _plan(tmp_path, synthetic_data)
+    assert plan.phases == [0, 1] and plan.start == StartPoint(phase=0, step=0, tag=None, handoff=False)
+    assert plan.data == {0: str(synthetic_data[0]), 1: str(synthetic_data[1])}
+    assert plan.nothing_to_do is None and plan.precision == "fp32" and plan.model_config.vocab_size == 12000
+    assert [plan.first_step_of(p) for p in (0, 1)] == [0, SMALL_RECIPE["phases"][0]["steps"]]
+    assert not (tmp_path / "run").exists()  # planning writes nothing
+
+
+def test_resume_points(synthetic_data, tmp_path):
+    run = tmp_path / "run"
+    tag = _fake_checkpoint(run, phase=0, step=2, done=False)
+    assert _plan(tmp_path, synthetic_data, "--resume", "auto").start == StartPoint(0, 2, tag, False)
+    with pytest.raises(ValueError, match="--resume auto"):
+        _plan(tmp_path, synthetic_data)  # an existing checkpoint is never silently overwritten
+    tag = _fake_checkpoint(run, phase=0, step=4, done=True)
+    assert _plan(tmp_path, synthetic_data, "--resume", "auto").start == StartPoint(1, 0, tag, True)
+    capped = _plan(tmp_path, synthetic_data, "--resume", "auto", "--max-steps", "4")
+    assert capped.nothing_to_do and "--max-steps 4" in capped.nothing_to_do
+    tag = _fake_checkpoint(run, phase=1, step=2, done=True)
+    assert "already finished" in _plan(tmp_path, synthetic_data, "--resume", "auto").nothing_to_do
+
+
+def test_refusals_name_the_culprit(synthetic_data, tmp_path):
+    with pytest.raises(ValueError, match="--phase 2: .* holds no phase-1 checkpoint"):
+        _plan(tmp_path, (synthetic_data[1],), "--phase", "2", "--resume", "auto")
+    with pytest.raises(ValueError, match=r"--data: got 1 directories for a recipe with 2 phase"):
+        _plan(tmp_path, (synthetic_data[0],))
+    with pytest.raises(ValueError, match=r"seq_len"):  # shard sets in the wrong order
+        _plan(tmp_path, (synthetic_data[1], synthetic_data[0]))
+    with pytest.raises(ValueError, match=r"phases\[0\].global_batch_size"):
+        _plan(tmp_path, synthetic_data, world_size=3)

@@ -1,0 +1,82 @@
+"""The private DeepSpeed names bert_ds relies on (all in ``bert_ds/deepspeed_internals.py``) exist on the installed
+DeepSpeed, read from its class sources without starting ranks; and an unsupported version is refused."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import deepspeed
+import pytest
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from bert_ds import deepspeed_internals as dsi
+
+
+def class_source(cls: type) -> str:
+    """Source of ``cls`` and its DeepSpeed base classes (attributes may be set in a base ``__init__``)."""
+    return "\n".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("deepspeed"))
+
+
+def assigns(source: str, attr: str) -> bool:
+    return re.search(rf"\bself\.{attr}\s*(:[^=\n]*)?=(?!=)", source) is not None
+
+
+@pytest.mark.parametrize("attr", dsi.ZERO_OPTIMIZER_ATTRIBUTES)
+def test_zero_optimizer_sets_attribute(attr):
+    assert assigns(class_source(DeepSpeedZeroOptimizer), attr), (
+        f"DeepSpeedZeroOptimizer of deepspeed {deepspeed.__version__} no longer sets self.{attr}; "
+        f"update bert_ds/deepspeed_internals.py")
+
+
+@pytest.mark.parametrize("attr", dsi.ZERO3_OPTIMIZER_ATTRIBUTES)
+def test_zero3_optimizer_sets_attribute(attr):
+    assert assigns(class_source(DeepSpeedZeroOptimizer_Stage3), attr)
+    assert not assigns(class_source(DeepSpeedZeroOptimizer), attr)  # it tells stage 3 apart from stage 1/2
+
+
+@pytest.mark.parametrize("name", sorted(dsi.ZERO_OPTIMIZER_METHODS))
+def test_zero_optimizer_method_signature(name):
+    method = getattr(DeepSpeedZeroOptimizer, name, None)
+    assert callable(method), f"DeepSpeedZeroOptimizer of deepspeed {deepspeed.__version__} has no {name}()"
+    params = list(inspect.signature(method).parameters.values())[1:]  # after self
+    expected = dsi.ZERO_OPTIMIZER_METHODS[name]
+    assert tuple(p.name for p in params[:len(expected)]) == expected
+    assert all(p.default is not inspect.Parameter.empty for p in params[len(expected):]), (
+        f"{name}{inspect.signature(method)} needs more arguments than bert_ds passes")
+
+
+def test_zero_checkpoint_keys_are_deepspeeds():
+    from deepspeed.checkpoint import constants
+
+    assert dsi.ZERO_CHECKPOINT_KEYS == (constants.OPTIMIZER_STATE_DICT, constants.BASE_OPTIMIZER_STATE)
+
+
+def test_zero_clip_norm_accumulates_in_fp64():
+    """Stage parity of the clip (bert_ds/optim/clip.py) relies on ZeRO 1/2 taking gradient norms in fp64 on CPU."""
+    import torch
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    assert get_norm_dtype() == torch.float64
+    assert "get_norm_dtype()" in inspect.getsource(DeepSpeedZeroOptimizer.get_grad_norm_direct)
+
+
+def test_installed_version_is_supported():
+    assert dsi.check_deepspeed_version() == deepspeed.__version__
+
+
+@pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0", "not-a-version"])
+def test_unsupported_version_is_refused(monkeypatch, version):
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    with pytest.raises(ValueError, match=re.escape(f"deepspeed {version} is installed")) as info:
+        dsi.check_deepspeed_version()
+    assert ">=0.19,<0.20" in str(info.value)
+
+
+def test_build_engine_checks_the_version_first(monkeypatch):
+    from bert_ds.engine import build_engine
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.16.0")
+    with pytest.raises(ValueError, match="deepspeed 0.16.0 is installed"):
+        build_engine(recipe=None, phase_index=0, model=None, world_size=1)
