@@ -302,19 +302,12 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
     return results
 
 
-def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str | Path, out_dir: str | Path, *,
-                  seq_len: int, max_predictions: int | None = None, dupe_factor: int = 1, short_seq_prob: float = 0.1,
-                  masked_lm_prob: float = 0.15, whole_word_mask: bool = False, seed: int = 12345, workers: int = 1,
-                  samples_per_shard: int = 10000, overwrite: bool = False, progress: bool | None = None) -> ShardIndex:
-    """Create a statically masked NSP shard set from raw text (see the module docstring); returns its index.
-
-    ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal)."""
+def _check_create_args(seq_len: int, max_predictions: int, dupe_factor: int, short_seq_prob: float,
+                       masked_lm_prob: float, seed: int, workers: int, samples_per_shard: int) -> None:
     if not isinstance(seq_len, int) or seq_len < 5:
         raise ValueError(f"seq_len={seq_len!r} is too small for [CLS] A [SEP] B [SEP] (needs at least 5)")
     if seq_len > 65535:
         raise ValueError(f"seq_len={seq_len} exceeds the shard format's 16-bit lengths (max 65535)")
-    if max_predictions is None:
-        max_predictions = default_max_predictions(seq_len)
     if not 1 <= max_predictions <= seq_len - 3:
         raise ValueError(f"max_predictions={max_predictions} must be in [1, seq_len - 3 = {seq_len - 3}]")
     if not 0.0 < masked_lm_prob < 1.0:
@@ -327,16 +320,10 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
             raise ValueError(f"{name}={value!r} must be an integer in [1, {hi}]")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
-    tok = load_tokenizer(tokenizer_dir)  # fails early, naming the directory, when vocab.txt is missing
-    files = input_files(inputs)
-    out = Path(out_dir)
-    params = CreateParams(str(Path(tokenizer_dir)), str(out), seq_len, max_predictions, dupe_factor, short_seq_prob,
-                          masked_lm_prob, whole_word_mask, seed)
-    # A chunk makes dupe_factor shards, each one pass over the chunk: size it for one shard's samples.
-    chunk_bytes = max(1, round(samples_per_shard * _TOKENS_PER_SAMPLE_FILL * seq_len * _BYTES_PER_TOKEN))
 
-    comm = _mpi_comm()
-    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+
+def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> None:
+    """Rank 0 prepares the output directory; under MPI every rank raises the same error if it could not."""
     error: str | None = None
     if rank == 0:
         try:
@@ -350,6 +337,11 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
         if error is not None:
             raise FileExistsError(error)
 
+
+def _create_all_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, workers: int, comm, rank: int,
+                       size: int, progress: bool | None) -> list[ChunkResult]:
+    """Every rank's chunk results, in chunk order; on a failure anywhere, this rank's shards are removed and the
+    error raised on every rank."""
     from tqdm import tqdm
 
     total_bytes = sum(f.stat().st_size for f in files)
@@ -373,8 +365,12 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
         if failure is not None:
             raise failure
         raise RuntimeError(f"shard creation failed on MPI rank {failed[0][0]}: {failed[0][1]}")
+    return sorted((r for res, _ in outcomes for r in res), key=lambda r: r.index)
 
-    all_results = sorted((r for res, _ in outcomes for r in res), key=lambda r: r.index)
+
+def _shard_index(all_results: list[ChunkResult], files: list[Path], tok, params: CreateParams,
+                 tokenizer_dir: str | Path, chunk_bytes: int) -> ShardIndex:
+    """The set's ``index.json`` from every chunk's shards and counts; refuses a set with no samples, saying why."""
     if not all_results:
         raise ValueError(f"no documents in the inputs ({', '.join(str(f) for f in files[:5])}"
                          f"{', ...' if len(files) > 5 else ''}): empty or blank files")
@@ -388,15 +384,16 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
                              f"another document; the inputs need more multi-sentence documents")
         raise ValueError(f"no usable documents in the inputs: all {counts['skipped_short_documents']} documents have "
                          f"fewer than two sentences (BERT layout: one sentence per line, blank line between documents)")
-    index = ShardIndex(
+    seq_len = params.seq_len
+    return ShardIndex(
         seq_len=seq_len, vocab_size=tok.vocab_size, vocab_sha256=tok.vocab_sha256,
         id_dtype=id_dtype_for_vocab(tok.vocab_size).str, lowercase=tok.lowercase,
-        masking={"static": True, "masked_lm_prob": masked_lm_prob, "max_predictions": max_predictions,
-                 "whole_word_mask": whole_word_mask, "mask_prob": MASK_PROB, "random_prob": RANDOM_PROB,
+        masking={"static": True, "masked_lm_prob": params.masked_lm_prob, "max_predictions": params.max_predictions,
+                 "whole_word_mask": params.whole_word_mask, "mask_prob": MASK_PROB, "random_prob": RANDOM_PROB,
                  "keep_prob": KEEP_PROB},
-        pairing={"nsp": True, "short_seq_prob": short_seq_prob, "dupe_factor": dupe_factor,
+        pairing={"nsp": True, "short_seq_prob": params.short_seq_prob, "dupe_factor": params.dupe_factor,
                  "target_length": seq_len - 3, "nsp_labels": {"is_next": 0, "not_next": 1}},
-        seed=seed, shards=shards, total_samples=sum(s.samples for s in shards),
+        seed=params.seed, shards=shards, total_samples=sum(s.samples for s in shards),
         extra={"inputs": [str(f) for f in files], "tokenizer_dir": str(tokenizer_dir),
                "sentence_splitter": sentence_splitter_name(), "chunk_bytes": chunk_bytes,
                "counts": {k: counts[k] for k in ("documents", "sentences", "tokens", "samples", "not_next")},
@@ -405,6 +402,32 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
                            "unpaired_chunks": counts["skipped_unpaired_chunks"],
                            "unpaired_documents": counts["skipped_unpaired_documents"]}},
     )
+
+
+def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str | Path, out_dir: str | Path, *,
+                  seq_len: int, max_predictions: int | None = None, dupe_factor: int = 1, short_seq_prob: float = 0.1,
+                  masked_lm_prob: float = 0.15, whole_word_mask: bool = False, seed: int = 12345, workers: int = 1,
+                  samples_per_shard: int = 10000, overwrite: bool = False, progress: bool | None = None) -> ShardIndex:
+    """Create a statically masked NSP shard set from raw text (see the module docstring); returns its index.
+
+    ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal)."""
+    if max_predictions is None and isinstance(seq_len, int) and seq_len >= 5:
+        max_predictions = default_max_predictions(seq_len)
+    _check_create_args(seq_len, max_predictions, dupe_factor, short_seq_prob, masked_lm_prob, seed, workers,
+                       samples_per_shard)
+    tok = load_tokenizer(tokenizer_dir)  # fails early, naming the directory, when vocab.txt is missing
+    files = input_files(inputs)
+    out = Path(out_dir)
+    params = CreateParams(str(Path(tokenizer_dir)), str(out), seq_len, max_predictions, dupe_factor, short_seq_prob,
+                          masked_lm_prob, whole_word_mask, seed)
+    # A chunk makes dupe_factor shards, each one pass over the chunk: size it for one shard's samples.
+    chunk_bytes = max(1, round(samples_per_shard * _TOKENS_PER_SAMPLE_FILL * seq_len * _BYTES_PER_TOKEN))
+
+    comm = _mpi_comm()
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+    _prepare_out_dir_on_rank0(out, overwrite, comm, rank)
+    all_results = _create_all_chunks(files, params, chunk_bytes, workers, comm, rank, size, progress)
+    index = _shard_index(all_results, files, tok, params, tokenizer_dir, chunk_bytes)
     if rank == 0:
         index.write(out)
     if comm is not None:
