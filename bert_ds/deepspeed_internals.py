@@ -17,6 +17,8 @@ import deepspeed
 import deepspeed.comm as dist
 import torch
 
+from bert_ds.checkpoint import deepspeed_loads_weights_only, load_tensor_file
+
 __all__ = ["SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES", "ZERO_CHECKPOINT_KEYS", "ZERO_OPTIMIZER_ATTRIBUTES",
            "ZERO_OPTIMIZER_METHODS", "ZeroGroupPartition", "ZeroPartitionMap", "check_deepspeed_version",
            "is_zero3_optimizer", "load_checkpoint", "load_optimizer_moments", "zero_partition_map"]
@@ -160,14 +162,16 @@ def load_checkpoint(engine, ckpt_dir: str | Path, tag: str, saved_world_size: in
         if saved_world_size != world_size:
             raise ValueError(f"checkpoint {tag!r} was written by {saved_world_size} ranks without ZeRO partitions "
                              f"of its own; resume it on {saved_world_size} ranks or use ZeRO stage 1/2")
-        load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        with deepspeed_loads_weights_only(ckpt_dir / tag):
+            load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
         _apply_scheduler_lr(engine)
         return client
     if stage not in (1, 2):
         raise ValueError(f"checkpoint {tag!r}: resuming needs ZeRO stage 0, 1 or 2 (deepspeed.zero_stage is {stage})")
-    load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=False)
+    with deepspeed_loads_weights_only(ckpt_dir / tag):
+        load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=False)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     saved = _zero_partitions(ckpt_dir / tag, saved_world_size)
@@ -189,7 +193,7 @@ def load_optimizer_moments(engine, ckpt_dir: str | Path, tag: str, saved_world_s
     if engine.zero_optimization_stage() == 0:
         optimizer = engine.optimizer
         lrs = [group["lr"] for group in optimizer.param_groups]
-        saved = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        saved = load_tensor_file(tag_dir / "mp_rank_00_model_states.pt")
         optimizer.load_state_dict(saved["optimizer"])
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr  # the new phase's schedule, not the old phase's last lr
@@ -210,7 +214,7 @@ def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
         raise ValueError(f"checkpoint {tag_dir.name!r}: {len(files)} ZeRO partition files for {saved_world_size} "
                          f"saved ranks")
     state_key, base_key = ZERO_CHECKPOINT_KEYS
-    saved = [torch.load(f, map_location="cpu", weights_only=False)[state_key] for f in files]
+    saved = [load_tensor_file(f)[state_key] for f in files]
     if not isinstance(saved[0][base_key], list):
         raise ValueError(f"checkpoint {tag_dir.name!r} was not saved with zero_optimization.elastic_checkpoint; it can "
                          f"only be resumed on {saved_world_size} ranks")

@@ -7,14 +7,92 @@ Launch paths (README "Launching"): the ``deepspeed`` launcher (sets RANK/WORLD_S
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["init_distributed", "seed_everything"]
+__all__ = ["EXTENSION_LOCK_STALE_S", "extension_build_locks", "init_distributed", "prebuild_extensions",
+           "seed_everything", "wait_for_extension_builds"]
+
+log = logging.getLogger(__name__)
+
+EXTENSION_LOCK_STALE_S = float(os.environ.get("BERT_DS_EXTENSION_LOCK_STALE_S", 1800))
+"""A torch-extension build lock older than this is taken to be left by a killed build. DeepSpeed's CPU
+``deepspeed_shm_comm`` builds in about a minute on 2 cores; CUDA ops in a few minutes."""
+
+
+def _extensions_root() -> Path:
+    """Where torch builds JIT extensions (the rule of ``torch.utils.cpp_extension._get_build_directory``, torch 2.x:
+    ``$TORCH_EXTENSIONS_DIR`` or the user cache's ``torch_extensions/py<ver>_<cpu|cu<ver>|rocm<ver>>``)."""
+    import torch.utils.cpp_extension as cpp
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if torch.version.hip is not None:
+        accel = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accel = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accel = "cpu"
+    return Path(cpp.get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accel}"
+
+
+def extension_build_locks() -> list[tuple[Path, float]]:
+    """The build locks present in the torch extensions directory, with their age in seconds."""
+    root = _extensions_root()
+    now = time.time()
+    locks = []
+    for lock in sorted(root.glob("*/lock")) if root.is_dir() else []:
+        try:
+            locks.append((lock, now - lock.stat().st_mtime))
+        except FileNotFoundError:  # the build finished between glob and stat
+            continue
+    return locks
+
+
+def wait_for_extension_builds(stale_after_s: float = EXTENSION_LOCK_STALE_S, poll_s: float = 10.0) -> None:
+    """Never wait silently on an extension build lock: torch's ``FileBaton`` waits forever on a lock a killed build
+    left behind. A lock older than ``stale_after_s`` is an error naming the file to remove; a younger one (a build in
+    progress, e.g. another rank's) is waited for, with a log line every minute, until it goes or turns stale."""
+    last_note = 0.0
+    while True:
+        locks = extension_build_locks()
+        if not locks:
+            return
+        lock, age = max(locks, key=lambda item: item[1])
+        if age >= stale_after_s:
+            raise ValueError(f"{lock} is {age:.0f} s old: a torch/DeepSpeed extension build that was killed left this "
+                             f"lock, and every start would wait on it forever. Remove it (rm {lock}) and start again "
+                             f"(limit: BERT_DS_EXTENSION_LOCK_STALE_S={stale_after_s:.0f})")
+        if time.monotonic() - last_note >= 60:
+            log.warning("waiting for the extension build holding %s (%.0f s old; treated as stale after %.0f s)",
+                        lock, age, stale_after_s)
+            last_note = time.monotonic()
+        time.sleep(poll_s)
+
+
+def prebuild_extensions() -> list[str]:
+    """Build ahead of time the JIT extensions a bert_ds run loads (``make venv`` calls this), so no training job
+    compiles them on first start. On a CPU machine that is DeepSpeed's ``deepspeed_shm_comm`` (gloo's shared-memory
+    fast path); on GPUs DeepSpeed builds nothing bert_ds needs (FusedAdam is built at its first use). Returns the
+    names built."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        wait_for_extension_builds()
+        builder.load()
+        built.append(builder.NAME)
+    return built
 
 
 def _env_from_slurm() -> None:
@@ -55,6 +133,7 @@ def init_distributed() -> tuple[int, int]:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     backend = "gloo" if cpu else accel.communication_backend_name()
+    wait_for_extension_builds()  # DeepSpeed's backend builds its shm extension here on CPU, under a lock
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=under_mpirun)
     return dist.get_rank(), dist.get_world_size()
 

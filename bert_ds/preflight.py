@@ -51,6 +51,11 @@ class RunPlan:
     """Why the run has nothing left to do (then ``start`` is not run), or None."""
 
     @property
+    def loader_verify(self) -> str:
+        """What each loader worker checks on a shard's first open: its hash, unless pre-flight just hashed it."""
+        return "headers" if self.args.verify_shards == "sha256" else "sha256"
+
+    @property
     def ckpt_dir(self) -> Path:
         return ckpt.checkpoint_dir(self.run_dir)
 
@@ -93,9 +98,11 @@ def _model_config(args: argparse.Namespace, recipe: Recipe, vocab_size: int) -> 
 
 
 def _check_shards(recipe: Recipe, phases: list[int], dirs_by_flag: dict[str, dict[int, str]], world_size: int,
-                  vocab_sha256: str, vocab_size: int) -> None:
-    """Batch sizes divide for this rank count; every shard set matches its phase and the tokenizer."""
+                  vocab_sha256: str, vocab_size: int, verify_level: str) -> None:
+    """Batch sizes divide for this rank count; every shard set matches its phase and the tokenizer, and passes the
+    ``--verify-shards`` level."""
     from bert_ds.data.index import ShardIndex
+    from bert_ds.data.reader import verify_shard_set
 
     for p in phases:
         phase = recipe.phases[p]
@@ -110,6 +117,8 @@ def _check_shards(recipe: Recipe, phases: list[int], dirs_by_flag: dict[str, dic
             if not phase.dynamic_masking and shard_preds is not None and shard_preds > phase.max_predictions:
                 raise ValueError(f"{flag} {dirs[p]}/index.json: field 'masking.max_predictions' is {shard_preds} "
                                  f"but phases[{p}].max_predictions is {phase.max_predictions}")
+            if verify_level != "none":
+                verify_shard_set(dirs[p], verify_level).raise_for_errors()
 
 
 def _fresh_start(args: argparse.Namespace, phases: list[int], ckpt_dir: Path) -> StartPoint:
@@ -174,11 +183,13 @@ def plan_run(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: in
     check_optimizer_support(recipe, precision)  # refusals name the recipe fields
     model_config = _model_config(args, recipe, tokenizer.vocab_size)
     _check_shards(recipe, phases, {"--data": data, "--eval-data": eval_data}, world_size, tokenizer.vocab_sha256,
-                  tokenizer.vocab_size)
+                  tokenizer.vocab_size, args.verify_shards)
     run_dir = Path(args.output)
     start = _start_point(args, recipe, phases, ckpt.checkpoint_dir(run_dir))
     plan = RunPlan(args=args, recipe=recipe, rank=rank, world_size=world_size, run_dir=run_dir, phases=phases,
                    data=data, eval_data=eval_data, vocab_sha256=tokenizer.vocab_sha256, model_config=model_config,
                    precision=precision, start=start, nothing_to_do=None)
     plan.nothing_to_do = _nothing_to_do(plan)
+    if plan.nothing_to_do is None:
+        ckpt.check_free_space(run_dir, model_config)  # room for one more checkpoint, or refuse before compute
     return plan

@@ -14,8 +14,11 @@ rescales the carried moments but does not damp the first updates: LAMB's unclamp
 norm lr * ||w|| per tensor, so phase 2's warm-up alone sets their size. The hand-off is the same code in
 one invocation (``--phase all``) and when resuming exactly at the boundary, so both give identical results.
 
-Exit codes: 0 done (or ``--max-steps`` reached), 2 bad input (recipe, data, resume mismatch; nothing computed),
-3 non-finite loss or weights (the last good checkpoint is kept; fp16 steps the loss scaler skipped leave the weights
+Exit codes: 0 done (or ``--max-steps`` reached), 1 a loader worker process died (the message names the shard it was
+reading), 2 bad input or an environment that cannot work (recipe, data, a corrupt shard or token id, resume mismatch,
+another run holding ``--output``, too little disk for a checkpoint, a checkpoint that fails to save or holds a non-
+allow-listed pickle, a stale extension build lock: one line naming the culprit; the last complete checkpoint is kept), 3
+non-finite loss or weights (the last good checkpoint is kept; fp16 steps the loss scaler skipped leave the weights
 unchanged and are not counted), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the next step boundary, even the last
 step of a phase; resubmit with ``--resume auto``).
 """
@@ -30,12 +33,16 @@ import sys
 from collections.abc import Sequence
 
 from bert_ds import checkpoint as ckpt
+from bert_ds.data.loader import LoaderWorkerError
 from bert_ds.preflight import RunPlan, StartPoint, plan_run
 from bert_ds.recipe import load_recipe
 from bert_ds.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main", "parse_args", "train"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
+           "parse_args",
+           "train"]
 
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 log = logging.getLogger("bert_ds.pretrain")
@@ -62,6 +69,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-from-hf", default=None,
                    help="start the first selected phase from a Hugging Face BertForPreTraining dir")
     p.add_argument("--num-workers", type=int, default=1, help="data loader worker processes per rank")
+    p.add_argument("--verify-shards", choices=("none", "size", "headers", "sha256"), default="size",
+                   help="pre-flight check of every shard set before compute (bert_ds.data.reader.verify_shard_set): "
+                        "size (a stat per shard), headers (+ tar headers, record length fields, per-shard counts), "
+                        "sha256 (+ content against index.json). Whatever is chosen, each loader worker also hashes "
+                        "a shard on first open unless sha256 already ran here")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.max_steps is not None and args.max_steps < 1:
@@ -84,8 +96,8 @@ def run(plan: RunPlan) -> int:
         if plan.rank == 0:
             print(plan.nothing_to_do, flush=True)
         return 0
+    run_lock = ckpt.hold_run_dir(plan.run_dir, plan.rank)  # one run per --output (exit 2 naming the holder)
     if plan.rank == 0:
-        plan.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.write_run_metadata(plan.run_dir, plan.recipe, plan.model_config, plan.args.tokenizer)
     preemption = Preemption()
     metrics = _metrics_logger(plan)
@@ -102,6 +114,8 @@ def run(plan: RunPlan) -> int:
         return 0
     finally:
         metrics.close()
+        if run_lock is not None:
+            run_lock.release()
 
 
 def train(args: argparse.Namespace) -> int:
@@ -124,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteLossError as exc:
         print(f"bert_ds.pretrain: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
+    except LoaderWorkerError as exc:  # a worker process died (e.g. killed for memory): not bad input, but one line
+        print(f"bert_ds.pretrain: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

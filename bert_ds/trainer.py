@@ -202,13 +202,14 @@ def _build_loaders(plan: RunPlan, p: int):
                           micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
                           seed=recipe.seed + p, num_workers=plan.args.num_workers, expected_seq_len=phase.seq_len,
                           expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
-                          dynamic_masking=masking, shuffle_window_shards=phase.shuffle_window_shards)
+                          dynamic_masking=masking, shuffle_window_shards=phase.shuffle_window_shards,
+                          verify=plan.loader_verify)
     eval_loader = None
     if p in plan.eval_data:
         eval_loader = build_eval_loader(plan.eval_data[p], micro_batch_size=phase.micro_batch_size, rank=plan.rank,
                                         world_size=plan.world_size, expected_seq_len=phase.seq_len,
                                         expected_vocab_sha256=plan.vocab_sha256,
-                                        max_predictions=phase.max_predictions)
+                                        max_predictions=phase.max_predictions, verify=plan.loader_verify)
     elif phase.target_mlm_accuracy is not None and plan.rank == 0:
         log.warning("phases[%d].target_mlm_accuracy=%s is ignored without --eval-data for phase %d: it runs all %d "
                     "steps", p, phase.target_mlm_accuracy, p + 1, phase.steps)

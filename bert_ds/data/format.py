@@ -27,14 +27,24 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "MEMBER_SUFFIX", "Sample", "id_dtype_for_vocab", "encode_sample",
-    "encode_samples", "decode_sample",
+    "FORMAT_NAME", "FORMAT_VERSION", "MEMBER_SUFFIX", "HEADER_SIZE", "ShardError", "Sample", "id_dtype_for_vocab",
+    "encode_sample", "encode_samples", "decode_sample", "check_record_headers",
 ]
 
 FORMAT_NAME = "bert_ds.pairs"
 FORMAT_VERSION = 1
 MEMBER_SUFFIX = "pair"
 _HEADER = struct.Struct("<HHHBB")
+HEADER_SIZE = _HEADER.size
+
+
+class ShardError(ValueError):
+    """A shard or record that does not match ``index.json`` or this layout. The message is one line naming the shard,
+    the member where known, and the field: newlines are escaped, so the line a training job prints is the whole
+    story (member names come from the file itself and could hold anything)."""
+
+    def __init__(self, message: str):
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 def id_dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -114,14 +124,20 @@ def encode_samples(input_ids: np.ndarray, offsets: np.ndarray, segment_a_lengths
 
 
 def decode_sample(data: bytes | memoryview, id_dtype: np.dtype, *, where: str = "sample") -> Sample:
-    """Parse one ``.pair`` member. ``where`` names the shard/member in the error raised on a malformed record."""
+    """Parse one ``.pair`` member. ``where`` names the shard/member in the :class:`ShardError` raised on a malformed
+    record: a size that disagrees with the header's length fields, or a segment boundary outside the pair."""
     if len(data) < _HEADER.size:
-        raise ValueError(f"{where}: truncated record ({len(data)} bytes)")
+        raise ShardError(f"{where}: truncated record ({len(data)} bytes, the header alone is {_HEADER.size})")
     n, seg_a, p, nsp, _ = _HEADER.unpack_from(data, 0)
     width = id_dtype.itemsize
     expected = _HEADER.size + n * width + p * 2 + p * width
     if len(data) != expected:
-        raise ValueError(f"{where}: record is {len(data)} bytes, header says {expected} (length={n}, predictions={p})")
+        raise ShardError(f"{where}: field 'length' or 'num_predictions' disagrees with the record size "
+                         f"({len(data)} bytes; length={n}, num_predictions={p} need {expected})")
+    if not 0 < seg_a < n:
+        raise ShardError(f"{where}: field 'segment_a_length' is {seg_a}, need 0 < segment_a_length < length={n}")
+    if nsp > 1:
+        raise ShardError(f"{where}: field 'nsp_label' is {nsp}, need 0 or 1")
     off = _HEADER.size
     input_ids = np.frombuffer(data, dtype=id_dtype, count=n, offset=off)
     off += n * width
@@ -129,3 +145,37 @@ def decode_sample(data: bytes | memoryview, id_dtype: np.dtype, *, where: str = 
     off += p * 2
     masked_ids = np.frombuffer(data, dtype=id_dtype, count=p, offset=off)
     return Sample(input_ids, seg_a, positions, masked_ids, nsp)
+
+
+def check_record_headers(headers: np.ndarray, sizes: np.ndarray, id_dtype: np.dtype, *, seq_len: int,
+                         max_predictions: int | None) -> tuple[int, str] | None:
+    """Check the 8-byte headers of many records at once, without touching their token arrays.
+
+    ``headers`` is (n, 8) uint8 (each record's first bytes), ``sizes`` the records' byte sizes. Returns
+    ``(record index, "field ...: reason")`` for the first bad record, or None. A record shorter than its header must
+    be refused by the caller before gathering (its 8 bytes would belong to the next member)."""
+    if headers.shape[0] == 0:
+        return None
+    words = np.ascontiguousarray(headers[:, :6]).view("<u2").astype(np.int64)  # (n, 3): length, seg_a, predictions
+    n, seg_a, p = words[:, 0], words[:, 1], words[:, 2]
+    nsp, reserved = headers[:, 6], headers[:, 7]
+    width = id_dtype.itemsize
+    checks = (
+        (_HEADER.size + n * width + p * (2 + width) != sizes,
+         lambda i: f"field 'length' or 'num_predictions' disagrees with the record size ({int(sizes[i])} bytes; "
+                   f"length={int(n[i])}, num_predictions={int(p[i])})"),
+        (n > seq_len, lambda i: f"field 'length' is {int(n[i])}, above index.json seq_len={seq_len}"),
+        ((seg_a <= 0) | (seg_a >= n),
+         lambda i: f"field 'segment_a_length' is {int(seg_a[i])}, need 0 < segment_a_length < length={int(n[i])}"),
+        (p > (max_predictions if max_predictions is not None else n),
+         lambda i: f"field 'num_predictions' is {int(p[i])}, above index.json masking.max_predictions="
+                   f"{max_predictions}"),
+        (nsp > 1, lambda i: f"field 'nsp_label' is {int(nsp[i])}, need 0 or 1"),
+        (reserved != 0, lambda i: f"field 'reserved' (byte 7) is {int(reserved[i])}, need 0"),
+    )
+    first: tuple[int, str] | None = None
+    for bad, describe in checks:
+        hits = np.flatnonzero(bad)
+        if hits.shape[0] and (first is None or hits[0] < first[0]):
+            first = (int(hits[0]), describe(int(hits[0])))
+    return first

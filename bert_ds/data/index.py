@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +35,36 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}\.tar")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _require(ok: bool, field_name: str, value: object, need: str) -> None:
+    if not ok:
+        raise ValueError(f"field '{field_name}' is {value!r:.80}, need {need}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class ShardInfo:
     name: str
     samples: int
     bytes: int
     sha256: str
+
+    def __post_init__(self) -> None:
+        # The name is joined to the shard directory: a path separator or '..' would let index.json point anywhere.
+        _require(isinstance(self.name, str) and _SHARD_NAME.fullmatch(self.name) is not None
+                 and self.name not in (".tar", "..tar"), "shards[].name", self.name, "a plain '<name>.tar' file name")
+        _require(_is_int(self.samples) and self.samples >= 0, f"shards[{self.name}].samples", self.samples,
+                 "an integer >= 0")
+        _require(_is_int(self.bytes) and self.bytes >= 0, f"shards[{self.name}].bytes", self.bytes,
+                 "an integer >= 0")
+        _require(isinstance(self.sha256, str) and _SHA256.fullmatch(self.sha256) is not None,
+                 f"shards[{self.name}].sha256", self.sha256, "64 lowercase hex digits")
 
 
 @dataclass
@@ -63,7 +88,23 @@ class ShardIndex:
     """Free-form provenance (inputs, skipped documents, tool version)."""
 
     def __post_init__(self) -> None:
+        for name in ("seq_len", "vocab_size", "seed", "total_samples"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= (0 if name in ("seed", "total_samples") else 1), name, value,
+                     "a non-negative integer" if name in ("seed", "total_samples") else "a positive integer")
+        _require(self.id_dtype in ("<u2", "<u4"), "id_dtype", self.id_dtype, "'<u2' or '<u4'")
+        _require(self.vocab_size <= 1 << (8 * int(self.id_dtype[2])), "vocab_size", self.vocab_size,
+                 f"at most {1 << (8 * int(self.id_dtype[2]))} for id_dtype {self.id_dtype!r}")
+        for name, kind in (("vocab_sha256", str), ("lowercase", bool), ("masking", dict), ("pairing", dict),
+                           ("extra", dict), ("shards", list)):
+            _require(isinstance(getattr(self, name), kind), name, getattr(self, name), f"a JSON {kind.__name__}")
+        for i, s in enumerate(self.shards):
+            _require(isinstance(s, ShardInfo | dict), f"shards[{i}]", s, "an object")
         self.shards = [s if isinstance(s, ShardInfo) else ShardInfo(**s) for s in self.shards]
+        names = [s.name for s in self.shards]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"field 'shards' lists {dup!r} twice")
         counted = sum(s.samples for s in self.shards)
         if self.shards and self.total_samples != counted:
             raise ValueError(f"index.json: total_samples={self.total_samples} but shards hold {counted}")
@@ -82,9 +123,11 @@ class ShardIndex:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no index.json; is {directory} a bert_ds shard directory?")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"{path}: not valid UTF-8 JSON: {str(exc)[:200]}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: holds a JSON {type(data).__name__}, expected an object")
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}")
         if data.get("format_version") != FORMAT_VERSION:
@@ -99,8 +142,8 @@ class ShardIndex:
             raise ValueError(f"{path}: unknown field(s) {unknown}")
         try:
             return cls(**data)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: {exc}") from exc
+        except (TypeError, ValueError) as exc:  # TypeError: a shard entry with missing or unknown keys
+            raise ValueError(f"{path}: {exc}") from None
 
     def check_compatible(self, *, seq_len: int | None = None, vocab_sha256: str | None = None,
                          vocab_size: int | None = None, where: str = "shards") -> None:
