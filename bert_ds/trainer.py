@@ -8,6 +8,7 @@ values all-reduced inside the step, so all ranks stop, save and exit at the same
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import signal
@@ -21,8 +22,8 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.distributed import seed_everything
 from bert_ds.preflight import RunPlan, StartPoint
 
-__all__ = ["EXIT_PREEMPTED", "NonFiniteLossError", "NonFiniteGuard", "PhaseOutcome", "Preemption", "StepRecord",
-           "run_phase", "train_step"]
+__all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
+           "StepRecord", "run_phase", "train_step"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a Slurm requeue wrapper checks for
 log = logging.getLogger("bert_ds.pretrain")
@@ -93,7 +94,28 @@ def _micro_batch(te, it: Iterator[dict], nsp: bool, totals: torch.Tensor) -> Non
                                *(c.to(out.loss.dtype) for c in counts)]).double()
 
 
-def train_step(te, it: Iterator[dict], nsp: bool, preemption: Preemption, world_size: int) -> StepRecord:
+@dataclass(frozen=True)
+class DropoutKey:
+    """Where a micro batch sits in the run: its dropout masks are drawn from a stream keyed by this, not from a
+    per-rank stream, so they do not depend on the number of ranks, on which rank computes the micro batch, or on
+    whether the run was resumed. The loader puts the same samples in micro batch ``k`` of a global batch for any
+    world size (``bert_ds.data.loader``: micro step ``a`` of rank ``r`` is slice ``k = a * W + r``), so a run resumed
+    on another rank count draws the same masks for the same samples."""
+
+    seed: int
+    phase: int
+    step: int
+    """Optimizer step within the phase (0-based: the step being computed)."""
+    rank: int
+    world_size: int
+
+    def seed_for(self, micro_step: int) -> int:
+        k = micro_step * self.world_size + self.rank  # micro batch index within the global batch
+        digest = hashlib.blake2b(f"{self.seed}/{self.phase}/{self.step}/{k}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1  # torch.manual_seed takes a non-negative int64
+
+
+def train_step(te, it: Iterator[dict], nsp: bool, preemption: Preemption, dropout: DropoutKey) -> StepRecord:
     """One optimizer step over ``te.accumulation`` micro batches; one host sync (the all-reduce of the totals)."""
     import deepspeed.comm as dist
 
@@ -101,7 +123,8 @@ def train_step(te, it: Iterator[dict], nsp: bool, preemption: Preemption, world_
     t0 = time.perf_counter()
     lr = te.current_lr()  # the lr this step uses (the scheduler advances inside engine.step)
     totals = torch.zeros(len(_SUMMED), dtype=torch.float64, device=engine.device)
-    for _ in range(te.accumulation):
+    for micro_step in range(te.accumulation):
+        torch.manual_seed(dropout.seed_for(micro_step))  # CPU and every CUDA device; host-side only, no sync
         _micro_batch(te, it, nsp, totals)
     totals[_SUMMED.index("preempt_requested")] = float(preemption.requested)
     # The loss above was computed before this step's update; only the updated weights show an update that
@@ -110,7 +133,7 @@ def train_step(te, it: Iterator[dict], nsp: bool, preemption: Preemption, world_
     totals[_SUMMED.index("nonfinite_weights")] = (~finite).double()
     dist.all_reduce(totals)
     s = dict(zip(_SUMMED, totals.tolist(), strict=True))
-    n_micro = te.accumulation * world_size
+    n_micro = te.accumulation * dropout.world_size
     return StepRecord(loss=s["loss"] / n_micro, mlm_loss=s["mlm_loss"] / n_micro,
                       nsp_loss=s["nsp_loss"] / n_micro if nsp else None,
                       mlm_accuracy=s["mlm_correct"] / max(s["mlm_total"], 1.0),
@@ -228,7 +251,7 @@ def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
     rng_file = plan.ckpt_dir / tag / f"rng_rank{plan.rank:05d}.pt"
     if saved["world_size"] == plan.world_size and rng_file.is_file():
         ckpt.load_rng_state(rng_file)
-    else:  # another rank count: per-rank RNG streams cannot carry over (only dropout draws from them)
+    else:  # another rank count: per-rank streams cannot carry over; dropout does not need them (DropoutKey)
         seed_everything(plan.recipe.seed + 1000 * p + 7919 * start.step + plan.rank)
     log.info("resumed %s: phase %d step %d, %d samples consumed (saved on %d ranks, now %d)", tag, p + 1,
              start.step, ph.consumed, saved["world_size"], plan.world_size)
@@ -334,7 +357,8 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
     it = iter(ph.loader)
     ph.te.engine.train()
     while ph.step < phase.steps:
-        rec = train_step(ph.te, it, recipe.nsp, preemption, plan.world_size)
+        dropout = DropoutKey(seed=recipe.seed, phase=p, step=ph.step, rank=plan.rank, world_size=plan.world_size)
+        rec = train_step(ph.te, it, recipe.nsp, preemption, dropout)
         ph.step += 1
         ph.consumed += phase.global_batch_size
         guard.check(rec, ph.step, ph.last_good, str(plan.ckpt_dir))
