@@ -11,8 +11,10 @@ would all land in one window, and with large batches in one step; in separate sh
 them apart. Workers (``multiprocessing``) and MPI ranks (``mpi4py`` under ``mpirun``; chunk c goes to rank c mod size;
 every rank reads the input stream, only to find the cuts) only decide *who* processes a chunk, so every shard's bytes
 and ``index.json`` are the same for any number of workers or ranks, and a process holds a few chunks at a time, never
-the corpus. Rank 0 gathers the ``ShardInfo`` and writes ``index.json`` last and atomically; a failed run removes its
-shards and leaves no index.
+the corpus, nor a huge document: no document reaches a chunk holding more than ``max_document_bytes`` and no sentence
+more than ``max_sentence_chars`` characters (``text.TextLimits``: longer lines and sentences are skipped and counted,
+longer BERT-layout documents cut), so a chunk exceeds its size by at most one such document. Rank 0 gathers the
+``ShardInfo`` and writes ``index.json`` last and atomically; a failed run removes its shards and leaves no index.
 
 Bad input (each a ``ValueError``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
 inputs; no chunk with two usable documents; invalid UTF-8 (file, line, byte offset); a JSON line without a string
@@ -22,13 +24,15 @@ token each) or above 65535; an output directory that already holds a shard set, 
 Counted skips, in ``index.json`` ``extra.skipped``: documents with fewer than two sentences (see ``pairs``),
 sentences that tokenize to nothing, and chunks left with fewer than two such documents, which cannot draw a NotNext B
 from another document (``unpaired_chunks``, and their lone usable documents ``unpaired_documents``; JSON-lines texts
-are split into sentences only in the worker, so the cut may count a one-sentence text as usable). Only inputs from
-which no chunk can pair are an error.
+are split into sentences only in the worker, so the cut may count a one-sentence text as usable), lines and
+sentences over the ``text.TextLimits`` (``long_lines``, ``long_sentences``) and the cuts of over-long BERT-layout
+documents (``document_cuts``, nothing lost). Only inputs from which no chunk can pair are an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import random
@@ -52,7 +56,19 @@ from bert_ds.data.masking import (
     word_ids_from_pieces,
 )
 from bert_ds.data.pairs import Pair, create_pairs, pair_input_ids, tokenize_documents
-from bert_ds.data.text import RawDocument, input_files, iter_documents, sentence_splitter_name, split_sentences
+from bert_ds.data.text import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    DEFAULT_MAX_SENTENCE_CHARS,
+    RawDocument,
+    SkipCounts,
+    TextLimits,
+    add_limit_args,
+    drop_long_sentences,
+    input_files,
+    iter_documents,
+    sentence_splitter_name,
+    split_sentences,
+)
 from bert_ds.data.tokenizer import WordPieceTokenizer, load_tokenizer
 
 __all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "shard_index", "main"]
@@ -79,6 +95,12 @@ class CreateParams:
     masked_lm_prob: float
     whole_word_mask: bool
     seed: int
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
+    max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS
+
+    @property
+    def limits(self) -> TextLimits:
+        return TextLimits(self.max_document_bytes, self.max_sentence_chars)
 
 
 @dataclass
@@ -89,16 +111,18 @@ class ChunkResult:
     counts: dict = field(default_factory=dict)
 
 
-def iter_chunks(files: Sequence[Path], chunk_bytes: int) -> Iterator[tuple[int, list[RawDocument], int]]:
+def iter_chunks(files: Sequence[Path], chunk_bytes: int, limits: TextLimits | None = None,
+                skipped: SkipCounts | None = None) -> Iterator[tuple[int, list[RawDocument], int]]:
     """Cut the document stream into ``(chunk index, documents, bytes)``; the cut depends on the text alone.
 
     A chunk closes once it holds ``chunk_bytes`` bytes of input and at least two documents that may pair; a tail with
-    less than half of that, or without two such documents, joins the chunk before it. Empty documents are dropped."""
+    less than half of that, or without two such documents, joins the chunk before it. Empty documents are dropped;
+    text over ``limits`` is left out or cut and counted in ``skipped`` (``text.iter_documents``)."""
     pending: tuple[list[RawDocument], int] | None = None
     docs: list[RawDocument] = []
     nbytes = usable = 0
     index = 0
-    for doc, size in iter_documents(files):
+    for doc, size in iter_documents(files, limits, skipped):
         nbytes += size
         if not doc:
             continue
@@ -176,12 +200,15 @@ def process_chunk(index: int, documents: list[RawDocument], params: CreateParams
     ``shard_name(shard_index(index, dupe, dupe_factor))``. A chunk with fewer than two usable documents cannot draw a
     NotNext B from another document: it writes nothing and is counted (``unpaired_chunks``/``_documents``)."""
     tok = _tokenizer(params.tokenizer_dir)
-    sentences = [split_sentences(d) if isinstance(d, str) else d for d in documents]
+    long = SkipCounts()  # JSON-lines sentences over the limit; BERT-layout ones never reach a chunk
+    sentences = [drop_long_sentences(split_sentences(d), params.max_sentence_chars, long) if isinstance(d, str)
+                 else d for d in documents]
     docs = tokenize_documents(sentences, tok)
     counts = {"documents": docs.num_documents, "sentences": int(docs.sentence_offsets.shape[0] - 1),
               "tokens": int(docs.ids.shape[0]), "skipped_short_documents": docs.skipped_short_documents,
               "skipped_empty_sentences": docs.skipped_empty_sentences, "skipped_unpaired_chunks": 0,
-              "skipped_unpaired_documents": 0, "samples": 0, "not_next": 0}
+              "skipped_unpaired_documents": 0, "skipped_long_sentences": long.long_sentences, "samples": 0,
+              "not_next": 0}
     if docs.num_documents < 2:
         # iter_chunks counts a JSON-lines text as usable before it is split, so a chunk can end up here with one
         # multi-sentence document (or none); losing it beats failing a long run over it.
@@ -245,7 +272,10 @@ def _mpi_comm():
     return None
 
 
-def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+def _prepare_out_dir(out: Path, overwrite: bool) -> list[Path]:
+    """Make ``out`` ready for a new set; returns the directories this made (``out`` and missing parents), outermost
+    first, so that a failed run can remove them again."""
+    made = [d for d in reversed([out, *out.parents]) if not d.exists()]
     out.mkdir(parents=True, exist_ok=True)
     index = out / INDEX_NAME
     if index.exists():
@@ -260,10 +290,11 @@ def _prepare_out_dir(out: Path, overwrite: bool) -> None:
         index.unlink()  # first, so that a crash while rebuilding never leaves an index naming missing shards
     for stale in list(out.glob("shard-*.tar")) + list(out.glob("shard-*.tar.tmp")) + list(out.glob("*.json.tmp")):
         stale.unlink()  # an overwritten set, or the leftovers of an unfinished run (no index: never complete)
+    return made
 
 
 def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, workers: int, rank: int, size: int,
-                written: list[Path], progress) -> list[ChunkResult]:
+                written: list[Path], progress, read_skipped: SkipCounts) -> list[ChunkResult]:
     results: list[ChunkResult] = []
     samples = 0
 
@@ -274,7 +305,7 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
         progress.set_postfix({"samples" if size == 1 else "rank 0 samples": samples}, refresh=False)
 
     if workers == 1:
-        for index, docs, nbytes in iter_chunks(files, chunk_bytes):
+        for index, docs, nbytes in iter_chunks(files, chunk_bytes, params.limits, read_skipped):
             if index % size == rank:
                 written.extend(Path(params.out_dir) / shard_name(shard_index(index, d, params.dupe_factor))
                                for d in range(params.dupe_factor))
@@ -284,7 +315,7 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
     ctx = multiprocessing.get_context("spawn")  # no fork: the tokenizer's threads and MPI do not survive a fork
     with ctx.Pool(workers, initializer=_init_worker) as pool:
         in_flight: deque = deque()
-        for index, docs, nbytes in iter_chunks(files, chunk_bytes):
+        for index, docs, nbytes in iter_chunks(files, chunk_bytes, params.limits, read_skipped):
             if index % size == rank:
                 written.extend(Path(params.out_dir) / shard_name(shard_index(index, d, params.dupe_factor))
                                for d in range(params.dupe_factor))
@@ -322,12 +353,14 @@ def _check_create_args(seq_len: int, max_predictions: int, dupe_factor: int, sho
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
 
 
-def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> None:
-    """Rank 0 prepares the output directory; under MPI every rank raises the same error if it could not."""
+def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> list[Path]:
+    """Rank 0 prepares the output directory (returning the directories it made); under MPI every rank raises the
+    same error if it could not."""
     error: str | None = None
+    made: list[Path] = []
     if rank == 0:
         try:
-            _prepare_out_dir(out, overwrite)
+            made = _prepare_out_dir(out, overwrite)
         except Exception as exc:
             error = str(exc)
             if comm is None:
@@ -336,22 +369,24 @@ def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> No
         error = comm.bcast(error, root=0)
         if error is not None:
             raise FileExistsError(error)
+    return made
 
 
 def _create_all_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, workers: int, comm, rank: int,
-                       size: int, progress: bool | None) -> list[ChunkResult]:
-    """Every rank's chunk results, in chunk order; on a failure anywhere, this rank's shards are removed and the
-    error raised on every rank."""
+                       size: int, progress: bool | None) -> tuple[list[ChunkResult], SkipCounts]:
+    """Every rank's chunk results, in chunk order, and what reading the inputs skipped (every rank reads them all, so
+    each counts the same); on a failure anywhere, this rank's shards are removed and the error raised on every rank."""
     from tqdm import tqdm
 
     total_bytes = sum(f.stat().st_size for f in files)
     written: list[Path] = []
     results: list[ChunkResult] = []
+    read_skipped = SkipCounts()
     failure: BaseException | None = None
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="create_shards",
               disable=True if rank != 0 else (None if progress is None else not progress)) as bar:
         try:
-            results = _run_chunks(files, params, chunk_bytes, workers, rank, size, written, bar)
+            results = _run_chunks(files, params, chunk_bytes, workers, rank, size, written, bar, read_skipped)
         except BaseException as exc:  # noqa: B036 - clean up our shards on any failure, then re-raise
             failure = exc
     outcomes = [(results, None if failure is None else f"{type(failure).__name__}: {failure}")]
@@ -365,15 +400,25 @@ def _create_all_chunks(files: list[Path], params: CreateParams, chunk_bytes: int
         if failure is not None:
             raise failure
         raise RuntimeError(f"shard creation failed on MPI rank {failed[0][0]}: {failed[0][1]}")
-    return sorted((r for res, _ in outcomes for r in res), key=lambda r: r.index)
+    return sorted((r for res, _ in outcomes for r in res), key=lambda r: r.index), read_skipped
 
 
-def _shard_index(all_results: list[ChunkResult], files: list[Path], tok, params: CreateParams,
-                 tokenizer_dir: str | Path, chunk_bytes: int) -> ShardIndex:
+def _skip_note(long_lines: int, long_sentences: int, params: CreateParams) -> str:
+    """What the text limits left out, for an error about too little usable text ('' when nothing)."""
+    parts = [f"{n} {what} skipped" for n, what in (
+        (long_lines, f"line(s) longer than max_document_bytes={params.max_document_bytes}"),
+        (long_sentences, f"sentence(s) longer than max_sentence_chars={params.max_sentence_chars}")) if n]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _shard_index(all_results: list[ChunkResult], read_skipped: SkipCounts, files: list[Path], tok,
+                 params: CreateParams, tokenizer_dir: str | Path, chunk_bytes: int) -> ShardIndex:
     """The set's ``index.json`` from every chunk's shards and counts; refuses a set with no samples, saying why."""
+    long_sentences = read_skipped.long_sentences + sum(r.counts["skipped_long_sentences"] for r in all_results)
+    note = _skip_note(read_skipped.long_lines, long_sentences, params)
     if not all_results:
         raise ValueError(f"no documents in the inputs ({', '.join(str(f) for f in files[:5])}"
-                         f"{', ...' if len(files) > 5 else ''}): empty or blank files")
+                         f"{', ...' if len(files) > 5 else ''}): empty or blank files{note}")
     counts = {k: sum(r.counts[k] for r in all_results) for k in all_results[0].counts}
     shards = [s for r in all_results for s in r.shards]
     if not shards:
@@ -381,9 +426,10 @@ def _shard_index(all_results: list[ChunkResult], files: list[Path], tok, params:
             n = counts["skipped_unpaired_documents"]
             raise ValueError(f"no NotNext pair can be drawn: every chunk of the inputs holds at most one document with "
                              f"two or more sentences ({n} such document(s) in all), and a random B must come from "
-                             f"another document; the inputs need more multi-sentence documents")
+                             f"another document; the inputs need more multi-sentence documents{note}")
         raise ValueError(f"no usable documents in the inputs: all {counts['skipped_short_documents']} documents have "
-                         f"fewer than two sentences (BERT layout: one sentence per line, blank line between documents)")
+                         f"fewer than two sentences (BERT layout: one sentence per line, blank line between "
+                         f"documents){note}")
     seq_len = params.seq_len
     return ShardIndex(
         seq_len=seq_len, vocab_size=tok.vocab_size, vocab_sha256=tok.vocab_sha256,
@@ -396,38 +442,54 @@ def _shard_index(all_results: list[ChunkResult], files: list[Path], tok, params:
         seed=params.seed, shards=shards, total_samples=sum(s.samples for s in shards),
         extra={"inputs": [str(f) for f in files], "tokenizer_dir": str(tokenizer_dir),
                "sentence_splitter": sentence_splitter_name(), "chunk_bytes": chunk_bytes,
+               "limits": {"max_document_bytes": params.max_document_bytes,
+                          "max_sentence_chars": params.max_sentence_chars},
                "counts": {k: counts[k] for k in ("documents", "sentences", "tokens", "samples", "not_next")},
                "skipped": {"short_documents": counts["skipped_short_documents"],
                            "empty_sentences": counts["skipped_empty_sentences"],
                            "unpaired_chunks": counts["skipped_unpaired_chunks"],
-                           "unpaired_documents": counts["skipped_unpaired_documents"]}},
+                           "unpaired_documents": counts["skipped_unpaired_documents"],
+                           "long_lines": read_skipped.long_lines, "long_sentences": long_sentences,
+                           "document_cuts": read_skipped.document_cuts}},
     )
 
 
 def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str | Path, out_dir: str | Path, *,
                   seq_len: int, max_predictions: int | None = None, dupe_factor: int = 1, short_seq_prob: float = 0.1,
                   masked_lm_prob: float = 0.15, whole_word_mask: bool = False, seed: int = 12345, workers: int = 1,
-                  samples_per_shard: int = 10000, overwrite: bool = False, progress: bool | None = None) -> ShardIndex:
+                  samples_per_shard: int = 10000, overwrite: bool = False, progress: bool | None = None,
+                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+                  max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS) -> ShardIndex:
     """Create a statically masked NSP shard set from raw text (see the module docstring); returns its index.
 
-    ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal)."""
+    ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal). ``max_document_bytes`` and
+    ``max_sentence_chars``: longer lines and sentences are skipped and counted, longer BERT-layout documents cut
+    (``text.TextLimits``)."""
     if max_predictions is None and isinstance(seq_len, int) and seq_len >= 5:
         max_predictions = default_max_predictions(seq_len)
     _check_create_args(seq_len, max_predictions, dupe_factor, short_seq_prob, masked_lm_prob, seed, workers,
                        samples_per_shard)
+    TextLimits(max_document_bytes, max_sentence_chars)  # refuses a bad limit, naming it, before any work
     tok = load_tokenizer(tokenizer_dir)  # fails early, naming the directory, when vocab.txt is missing
     files = input_files(inputs)
     out = Path(out_dir)
     params = CreateParams(str(Path(tokenizer_dir)), str(out), seq_len, max_predictions, dupe_factor, short_seq_prob,
-                          masked_lm_prob, whole_word_mask, seed)
+                          masked_lm_prob, whole_word_mask, seed, max_document_bytes, max_sentence_chars)
     # A chunk makes dupe_factor shards, each one pass over the chunk: size it for one shard's samples.
     chunk_bytes = max(1, round(samples_per_shard * _TOKENS_PER_SAMPLE_FILL * seq_len * _BYTES_PER_TOKEN))
 
     comm = _mpi_comm()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
-    _prepare_out_dir_on_rank0(out, overwrite, comm, rank)
-    all_results = _create_all_chunks(files, params, chunk_bytes, workers, comm, rank, size, progress)
-    index = _shard_index(all_results, files, tok, params, tokenizer_dir, chunk_bytes)
+    made = _prepare_out_dir_on_rank0(out, overwrite, comm, rank)
+    try:
+        all_results, read_skipped = _create_all_chunks(files, params, chunk_bytes, workers, comm, rank, size,
+                                                       progress)
+        index = _shard_index(all_results, read_skipped, files, tok, params, tokenizer_dir, chunk_bytes)
+    except BaseException:
+        for directory in reversed(made):  # the failed run's shards are gone: leave no empty --out behind either
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
     if rank == 0:
         index.write(out)
     if comm is not None:
@@ -451,17 +513,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1, help="processes per rank (under mpirun: per MPI rank)")
     parser.add_argument("--samples-per-shard", type=int, default=10000)
     parser.add_argument("--overwrite", action="store_true", help="replace a shard set already in --out")
+    add_limit_args(parser)
     args = parser.parse_args(argv)
     try:
         index = create_shards(args.input, args.tokenizer, args.out, seq_len=args.seq_len,
                               max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
                               short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
                               whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,
-                              samples_per_shard=args.samples_per_shard, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
-        sys.exit(f"bert-ds-create-shards: error: {exc}")
+                              samples_per_shard=args.samples_per_shard, overwrite=args.overwrite,
+                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars)
+    except (ValueError, OSError) as exc:  # bad input or an unusable output: one line naming it, no traceback
+        print(f"bert-ds-create-shards: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
-        print(f"wrote {len(index.shards)} shards, {index.total_samples} samples to {args.out}/{INDEX_NAME}")
+        skipped = index.extra["skipped"]
+        print(f"wrote {len(index.shards)} shards, {index.total_samples} samples to {args.out}/{INDEX_NAME}; "
+              f"skipped {skipped['long_lines']} line(s) over --max-document-bytes and {skipped['long_sentences']} "
+              f"sentence(s) over --max-sentence-chars; cut {skipped['document_cuts']} document(s)")
 
 
 if __name__ == "__main__":

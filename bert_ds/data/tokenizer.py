@@ -2,11 +2,11 @@
 
 A tokenizer directory holds ``vocab.txt`` (one token per line, the id is the line number, as Google's and Hugging
 Face's BERT vocabularies), optionally ``tokenizer.json`` (for Hugging Face users) and ``tokenizer_meta.json``
-(``{"lowercase": bool}``). bert_ds always rebuilds the pipeline from ``vocab.txt`` plus the lowercase flag, so a
-directory holding only Google's ``vocab.txt`` works everywhere a tokenizer directory is asked for. The pipeline is
-BERT's: ``BertNormalizer`` (clean text, CJK spacing, lowercase + strip accents unless cased), ``BertPreTokenizer``
-(whitespace and punctuation), WordPiece with ``##`` continuations, which is what ``transformers.BertTokenizerFast``
-builds from the same vocab.
+(``{"lowercase": bool}``; training also records its ``text.TextLimits`` and what they skipped, provenance only).
+bert_ds always rebuilds the pipeline from ``vocab.txt`` plus the lowercase flag, so a directory holding only Google's
+``vocab.txt`` works everywhere a tokenizer directory is asked for. The pipeline is BERT's: ``BertNormalizer`` (clean
+text, CJK spacing, lowercase + strip accents unless cased), ``BertPreTokenizer`` (whitespace and punctuation),
+WordPiece with ``##`` continuations, which is what ``transformers.BertTokenizerFast`` builds from the same vocab.
 
 This module is the one reader of a tokenizer directory: :func:`read_vocab` (the token list, see it for the line
 rule), :func:`read_lowercase` (the lowercase flag) and :func:`vocab_sha256` (the hash ``index.json`` records); the
@@ -16,17 +16,32 @@ loader, the shard index and the exporter ask here instead of parsing the files t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
+import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+import secrets
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
+
+from bert_ds.data.text import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    DEFAULT_MAX_SENTENCE_CHARS,
+    SkipCounts,
+    TextLimits,
+    add_limit_args,
+    input_files,
+    iter_training_texts,
+)
 
 __all__ = [
     "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "read_vocab", "read_lowercase", "vocab_sha256",
@@ -251,31 +266,106 @@ def _bert_pipeline(vocab: dict[str, int] | str | None, lowercase: bool) -> BertW
 
 
 def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_size: int = 30522, cased: bool = False,
-                    *, min_frequency: int = 2, limit_alphabet: int = 1000) -> Path:
+                    *, min_frequency: int = 2, limit_alphabet: int = 1000,
+                    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+                    max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS, overwrite: bool = False) -> Path:
     """Train a BERT WordPiece vocabulary on text files or directories (BERT layout or JSON lines, see ``text``).
 
-    Writes ``vocab.txt``, ``tokenizer.json`` and ``tokenizer_meta.json`` into ``out_dir`` and returns ``out_dir``."""
-    from bert_ds.data.text import input_files, iter_training_texts
-
+    Writes ``vocab.txt``, ``tokenizer.json`` and ``tokenizer_meta.json`` (the casing, the ``text.TextLimits`` and
+    what they skipped) into ``out_dir`` and returns ``out_dir``. The files are written into a new directory beside
+    ``out_dir`` and moved into place only once all are complete, so a failure leaves nothing behind. ``out_dir`` is
+    created if missing and used if empty; one holding anything is refused unless ``overwrite``, and then only the
+    three files are replaced (the directory itself and anything else in it are left alone)."""
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size={vocab_size} is too small (needs room beyond {len(SPECIAL_TOKENS)} specials)")
+    limits = TextLimits(max_document_bytes, max_sentence_chars)
     files = input_files(inputs)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = _bert_pipeline(None, lowercase=not cased)
-    texts = _nonempty(iter_training_texts(files))
-    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency, limit_alphabet=limit_alphabet,
-                            special_tokens=list(SPECIAL_TOKENS), wordpieces_prefix="##", show_progress=False)
-    if tok.get_vocab_size() <= len(SPECIAL_TOKENS):
-        raise ValueError(f"no text to train a tokenizer on in {[str(f) for f in files]}")
-    tok.save_model(str(out))
-    tok.save(str(out / "tokenizer.json"))
-    (out / META_NAME).write_text(json.dumps({"lowercase": not cased}) + "\n")
+    _check_out_dir(out, overwrite)
+    skipped = SkipCounts()
+    fed = 0
+
+    def texts() -> Iterator[str]:
+        nonlocal fed
+        for text in iter_training_texts(files, limits, skipped):
+            if text.strip():
+                fed += 1
+                yield text
+
+    with _staging_dir(out) as stage:
+        tok = _bert_pipeline(None, lowercase=not cased)
+        tok.train_from_iterator(texts(), vocab_size=vocab_size, min_frequency=min_frequency,
+                                limit_alphabet=limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
+                                wordpieces_prefix="##", show_progress=False)
+        if fed == 0 or tok.get_vocab_size() <= len(SPECIAL_TOKENS):
+            note = (f" ({skipped.long_lines} line(s) over max_document_bytes={max_document_bytes} and "
+                    f"{skipped.long_sentences} over max_sentence_chars={max_sentence_chars} skipped)"
+                    if skipped.long_lines or skipped.long_sentences else "")
+            raise ValueError(f"no text to train a tokenizer on in {', '.join(str(f) for f in files[:5])}"
+                             f"{', ...' if len(files) > 5 else ''}{note}")
+        tok.save_model(str(stage))
+        tok.save(str(stage / "tokenizer.json"))
+        meta = {"lowercase": not cased,
+                "limits": {"max_document_bytes": max_document_bytes, "max_sentence_chars": max_sentence_chars},
+                "skipped": {"long_lines": skipped.long_lines, "long_sentences": skipped.long_sentences}}
+        (stage / META_NAME).write_text(json.dumps(meta) + "\n")
+        _install(stage, out)
     return out
 
 
-def _nonempty(texts: Iterable[str]) -> Iterator[str]:
-    return (t for t in texts if t.strip())
+def _check_out_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and not overwrite:
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            raise FileExistsError(f"output directory {out} is not empty (holds {', '.join(held[:5])}"
+                                  f"{', ...' if len(held) > 5 else ''}); pass --overwrite (overwrite=True) to replace "
+                                  f"its tokenizer files, or choose another directory")
+
+
+@contextlib.contextmanager
+def _staging_dir(out: Path) -> Iterator[Path]:
+    """A new hidden directory beside ``out`` (whose missing parents are made); on any failure it is removed, with
+    the parents this made, so nothing is left behind."""
+    made: list[Path] = []
+    for parent in reversed(out.absolute().parents):
+        if not parent.exists():
+            parent.mkdir()
+            made.append(parent)
+    stage = out.absolute().parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    try:
+        stage.mkdir()
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for parent in reversed(made):
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
+
+
+def _install(stage: Path, out: Path) -> None:
+    """Move the complete files of ``stage`` into ``out``, durably: the files reach the disk before their names do."""
+    for path in stage.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if out.is_dir() and any(out.iterdir()):  # overwrite=True: replace our files, keep the directory and the rest
+        for path in sorted(stage.iterdir()):
+            os.replace(path, out / path.name)
+        stage.rmdir()
+        _fsync_dir(out)
+    else:
+        os.replace(stage, out)  # rename(2) also replaces an empty directory
+    _fsync_dir(out.absolute().parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_tokenizer(directory: str | Path) -> WordPieceTokenizer:
@@ -305,9 +395,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=30522)
     parser.add_argument("--out", required=True, help="output directory for vocab.txt, tokenizer.json, meta")
     parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lowercase, strip)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a non-empty --out")
+    add_limit_args(parser)
     args = parser.parse_args(argv)
-    out = train_tokenizer(args.input, args.out, vocab_size=args.vocab_size, cased=args.cased)
-    print(f"wrote {out / VOCAB_NAME} ({load_tokenizer(out).vocab_size} tokens)")
+    try:
+        out = train_tokenizer(args.input, args.out, vocab_size=args.vocab_size, cased=args.cased,
+                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
+                              overwrite=args.overwrite)
+    except (ValueError, OSError) as exc:  # bad input or an unusable --out: one line naming it, no traceback
+        print(f"bert-ds-train-tokenizer: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    skipped = json.loads((out / META_NAME).read_text(encoding="utf-8"))["skipped"]
+    print(f"wrote {out / VOCAB_NAME} ({load_tokenizer(out).vocab_size} tokens); skipped {skipped['long_lines']} "
+          f"line(s) over --max-document-bytes and {skipped['long_sentences']} sentence(s) over --max-sentence-chars")
 
 
 if __name__ == "__main__":

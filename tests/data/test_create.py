@@ -126,7 +126,8 @@ def test_chunk_with_one_usable_document_is_skipped_and_counted(tokenizer_dir, tm
     index = create_shards([src], tokenizer_dir, out, seq_len=128, dupe_factor=2, samples_per_shard=1, progress=False)
     assert index.extra["chunk_bytes"] == 440
     assert index.extra["skipped"] == {"short_documents": 3, "empty_sentences": 0, "unpaired_chunks": 1,
-                                      "unpaired_documents": 1}
+                                      "unpaired_documents": 1, "long_lines": 0, "long_sentences": 0,
+                                      "document_cuts": 0}
     assert [s.name for s in index.shards] == [shard_name(i) for i in (0, 1, 6, 7)]  # chunks 0 and 3, two copies
     assert index.extra["counts"]["documents"] == 4
     assert sorted(p.name for p in out.glob("shard-*")) == [s.name for s in index.shards]
@@ -209,6 +210,72 @@ def test_cli(english_corpus, tokenizer_dir, tmp_path, capsys):
     index = ShardIndex.load(out)
     assert index.masking["max_predictions"] == 10 and index.masking["whole_word_mask"] is True
     assert "wrote" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="already holds"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["--input", str(english_corpus), "--tokenizer", str(tokenizer_dir), "--seq-len", "128", "--out",
               str(out)])
+    assert exit_info.value.code == 2 and "already holds" in capsys.readouterr().err
+
+
+def _cli_bad_inputs(tmp_path: Path, tokenizer_dir: Path) -> list[tuple[list[str], str]]:
+    """(input and tokenizer arguments, what the one error line must say) for each kind of unusable input."""
+    tmp_path.mkdir()
+    _make(tmp_path, "empty.txt", "")
+    _make(tmp_path, "latin1.txt", "Fine line.\nCaf\xe9 au lait.\n".encode("latin-1"))
+    (tmp_path / "no_files").mkdir()
+    (tmp_path / "blank_files").mkdir()
+    _make(tmp_path / "blank_files", "a.txt", "\n  \n\n")
+    _make(tmp_path / "blank_files", "b.jsonl", "")
+    tok = ["--tokenizer", str(tokenizer_dir)]
+    return [(["--input", str(tmp_path / "empty.txt"), *tok], r"no documents in the inputs \(.*empty\.txt\)"),
+            (["--input", str(tmp_path / "latin1.txt"), *tok], r"latin1\.txt:2: invalid UTF-8 byte 0xe9"),
+            (["--input", str(tmp_path / "nope.txt"), *tok], r"input .*nope\.txt does not exist"),
+            (["--input", str(tmp_path / "no_files"), *tok], r"input directory .*no_files holds no files"),
+            (["--input", str(tmp_path / "blank_files"), *tok], r"no documents in the inputs \(.*a\.txt, .*b\.jsonl\)"),
+            (["--input", str(tmp_path / "latin1.txt"), "--tokenizer", str(tmp_path / "no_tok")],
+             r"tokenizer directory .*no_tok does not exist")]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_cli_bad_input_is_one_line_exit_2_and_leaves_nothing(tokenizer_dir, tmp_path, capsys, case):
+    args, message = _cli_bad_inputs(tmp_path / "in", tokenizer_dir)[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--seq-len", "128", "--out", str(run / "deeper" / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bert-ds-create-shards: error: ") and "Traceback" not in err
+    assert re.search(message, err), err
+    assert list(run.iterdir()) == []  # not even the empty output directory
+
+
+def test_text_limits_are_applied_and_counted(english_corpus, tokenizer_dir, tmp_path, shard_reader):
+    long_line = "word " * 3000  # 15,000 bytes: over max_document_bytes
+    long_sentence = "Short. " * 300  # 2,100 characters: over max_sentence_chars
+    bert = _make(tmp_path, "z1.txt", f"Alpha one.\n{long_line}\nAlpha two.\n{long_sentence}\nAlpha three.\n\n")
+    text = "Beta one. " + "license " * 300 + "ends here. Beta two. Beta three."  # one 2,400-character sentence
+    jsonl = _make(tmp_path, "z2.jsonl", json.dumps({"text": text}) + "\n")
+    index = create_shards([english_corpus, bert, jsonl], tokenizer_dir, tmp_path / "out", seq_len=128,
+                          progress=False, max_document_bytes=10_000, max_sentence_chars=2000)
+    skipped = index.extra["skipped"]
+    assert (skipped["long_lines"], skipped["long_sentences"]) == (1, 2)
+    assert skipped["document_cuts"] > 0  # the licence texts are longer than 10,000 bytes
+    assert index.extra["limits"] == {"max_document_bytes": 10_000, "max_sentence_chars": 2000}
+    vocab = (tokenizer_dir / "vocab.txt").read_text().splitlines()
+    piece_ids = [vocab.index(w) for w in ("word", "short", "license")]
+    for _, _, sample in shard_reader(tmp_path / "out"):
+        ids = np.asarray(sample.input_ids).copy()
+        ids[np.asarray(sample.masked_positions, dtype=np.int64)] = np.asarray(sample.masked_ids)
+        # each skipped text would fill a sample with its one repeated word (measured without limits: 121, 60, 121)
+        assert all((ids == i).sum() < 50 for i in piece_ids)
+
+
+@pytest.mark.parametrize(("option", "value"), [("--max-document-bytes", "0"), ("--max-sentence-chars", "-5")])
+def test_cli_bad_limit(english_corpus, tokenizer_dir, tmp_path, capsys, option, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", str(english_corpus), "--tokenizer", str(tokenizer_dir), "--seq-len", "128", "--out",
+              str(tmp_path / "out"), option, value])
+    assert exit_info.value.code == 2
+    assert f"{option[2:].replace('-', '_')}={value} must be a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+

@@ -36,7 +36,8 @@ def test_special_tokens_first_and_files_written(tokenizer_dir):
     vocab = read_vocab(tokenizer_dir)
     assert vocab[:len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS)  # [PAD] = 0
     assert len(vocab) == 4000
-    assert json.loads((tokenizer_dir / "tokenizer_meta.json").read_text()) == {"lowercase": True}
+    meta = json.loads((tokenizer_dir / "tokenizer_meta.json").read_text())
+    assert meta["lowercase"] is True and meta["skipped"] == {"long_lines": 0, "long_sentences": 0}
     assert (tokenizer_dir / "tokenizer.json").is_file()
 
 
@@ -110,3 +111,71 @@ def test_ascii_fast_path_gives_the_full_pipelines_ids(tokenizer_dir, tmp_path, l
     flat, offsets = tok.encode_batch(texts, batch_size=997)
     assert [flat[offsets[i]:offsets[i + 1]].tolist() for i in range(len(texts))] == expected
     assert [tok.encode(t) for t in texts[:300]] == expected[:300]
+
+
+def _bad_inputs(tmp_path):
+    """(name, input path, what the one error line must say) for each kind of unusable input."""
+    tmp_path.mkdir()
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes("Fine line.\nCaf\xe9 au lait.\n".encode("latin-1"))
+    (tmp_path / "no_files").mkdir()
+    (tmp_path / "blank_files").mkdir()
+    (tmp_path / "blank_files" / "a.txt").write_text("\n  \n\n")
+    (tmp_path / "blank_files" / "b.jsonl").write_text("")
+    return [("empty", tmp_path / "empty.txt", r"no text to train a tokenizer on in .*empty\.txt"),
+            ("non-utf8", tmp_path / "latin1.txt", r"latin1\.txt:2: invalid UTF-8 byte 0xe9"),
+            ("missing", tmp_path / "nope.txt", r"input .*nope\.txt does not exist"),
+            ("empty dir", tmp_path / "no_files", r"input directory .*no_files holds no files"),
+            ("blank files", tmp_path / "blank_files", r"no text to train a tokenizer on in .*a\.txt, .*b\.jsonl")]
+
+
+@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, case, out_exists):
+    import re
+
+    name, src, message = _bad_inputs(tmp_path / "in")[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run / "deeper" / "tok"
+    if out_exists:
+        out.mkdir(parents=True)  # the user's own empty directory: kept, and left empty
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", str(src), "--vocab-size", "100", "--out", str(out)])
+    assert exit_info.value.code == 2, name
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bert-ds-train-tokenizer: error: ") and "Traceback" not in err
+    assert re.search(message, err), err
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == (["deeper", "deeper/tok"] if out_exists
+                                                                              else [])
+
+
+def test_non_empty_out_is_refused_unless_overwrite(english_corpus, tmp_path, capsys):
+    out = tmp_path / "tok"
+    out.mkdir()
+    (out / "notes.md").write_text("mine")
+    args = ["--input", str(english_corpus), "--vocab-size", "300", "--out", str(out)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert "is not empty (holds notes.md); pass --overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.md"]
+    main([*args, "--overwrite"])
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["notes.md", "tokenizer.json", "tokenizer_meta.json", "vocab.txt"]
+    assert load_tokenizer(out).vocab_size == 300 and (out / "notes.md").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]  # no staging directory left beside it
+
+
+def test_skips_are_printed_and_recorded(english_corpus, tmp_path, capsys):
+    src = tmp_path / "long.txt"
+    normal = english_corpus.read_text(encoding="utf-8").splitlines()[:40]
+    assert max(map(len, normal)) <= 2000
+    src.write_text("\n".join(normal[:20] + ["word " * 3000, "Short. " * 300] + normal[20:]) + "\n")
+    main(["--input", str(src), "--vocab-size", "300", "--out", str(tmp_path / "tok"), "--max-document-bytes", "10000",
+          "--max-sentence-chars", "2000"])
+    assert "skipped 1 line(s) over --max-document-bytes and 1 sentence(s) over" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "tok" / "tokenizer_meta.json").read_text())
+    assert meta["skipped"] == {"long_lines": 1, "long_sentences": 1}
+    assert meta["limits"] == {"max_document_bytes": 10000, "max_sentence_chars": 2000}
+
