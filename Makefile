@@ -8,10 +8,11 @@ TORCH_VERSION ?= 2.13.0
 .PHONY: venv test test-fast lint bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip wheel setuptools
+	# Each step runs only when what it installs is missing, so an environment built by hand (README "Install") is
+	# reused, not rebuilt; pip itself skips requirements that are already satisfied.
+	test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PIP) install --upgrade pip wheel setuptools; }
 	# torch first: on this CPU machine the pin resolves to the CPU build on disk, on a GPU cluster to CUDA.
-	$(PIP) install torch==$(TORCH_VERSION)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==$(TORCH_VERSION)
 	# deepspeed builds against the torch above, so it must not get an isolated build environment.
 	$(PIP) install --no-build-isolation 'deepspeed>=0.19,<0.20'
 	$(PIP) install -e '.[dev,mpi]'

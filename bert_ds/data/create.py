@@ -62,7 +62,9 @@ from bert_ds.data.text import (
     RawDocument,
     SkipCounts,
     TextLimits,
+    add_input_args,
     add_limit_args,
+    describe_inputs,
     drop_long_sentences,
     input_files,
     iter_documents,
@@ -499,24 +501,34 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bert-ds-create-shards", description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|DIR",
-                        help="BERT-layout text or .jsonl files, or directories (recursive, sorted)")
-    parser.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding vocab.txt")
-    parser.add_argument("--seq-len", type=int, required=True, help="128 or 512 (any value >= 5 works)")
-    parser.add_argument("--out", required=True, metavar="DIR")
-    parser.add_argument("--max-predictions", type=int, default=None, help="default: 20 at 128, 80 at 512")
-    parser.add_argument("--dupe-factor", type=int, default=1)
-    parser.add_argument("--short-seq-prob", type=float, default=0.1)
-    parser.add_argument("--masked-lm-prob", type=float, default=0.15)
-    parser.add_argument("--whole-word-mask", action="store_true")
-    parser.add_argument("--seed", type=int, default=12345)
-    parser.add_argument("--workers", type=int, default=1, help="processes per rank (under mpirun: per MPI rank)")
-    parser.add_argument("--samples-per-shard", type=int, default=10000)
+    add_input_args(parser)
+    parser.add_argument("--tokenizer", required=True, metavar="DIR",
+                        help="tokenizer directory holding vocab.txt (tools/train_tokenizer.py's --out, or Google's)")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sample: 128 (phase 1) or 512 (phase 2)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory: shards + index.json")
+    parser.add_argument("--max-predictions", type=int, default=None,
+                        help="masked positions per sample (default: 20 at seq 128, 80 at 512, as Google/NVIDIA)")
+    parser.add_argument("--dupe-factor", type=int, default=1,
+                        help="copies of the corpus, each with other pairs and masks (default %(default)s; NVIDIA's "
+                             "recipe uses 5, Google's 10)")
+    parser.add_argument("--short-seq-prob", type=float, default=0.1,
+                        help="probability of a shorter random target length (default %(default)s, Google's)")
+    parser.add_argument("--masked-lm-prob", type=float, default=0.15,
+                        help="fraction of tokens masked (default %(default)s, BERT paper §3.1)")
+    parser.add_argument("--whole-word-mask", action="store_true", help="mask all pieces of a word together")
+    parser.add_argument("--seed", type=int, default=12345, help="the output depends only on the inputs and this "
+                                                                 "(default %(default)s)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes per rank (under mpirun: per MPI rank; default %(default)s)")
+    parser.add_argument("--samples-per-shard", type=int, default=10000, help="default %(default)s")
     parser.add_argument("--overwrite", action="store_true", help="replace a shard set already in --out")
     add_limit_args(parser)
     args = parser.parse_args(argv)
     try:
-        index = create_shards(args.input, args.tokenizer, args.out, seq_len=args.seq_len,
+        files = input_files(args.input, args.input_pattern)
+        if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
+            print(describe_inputs(files), flush=True)
+        index = create_shards(files, args.tokenizer, args.out, seq_len=args.seq_len,
                               max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
                               short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
                               whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,

@@ -60,6 +60,27 @@ class TextLimits:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
+def add_input_args(parser: argparse.ArgumentParser) -> None:
+    """``--input`` / ``--input-pattern``, shared by both data-prep CLIs."""
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|DIR",
+                        help="text files (BERT layout: one sentence per line, blank line between documents; or JSON "
+                             "lines with a 'text' field, by the .jsonl/.json suffix) or directories, read recursively "
+                             "in sorted order (hidden files skipped); the files read are listed before any work")
+    parser.add_argument("--input-pattern", metavar="GLOB", default=None,
+                        help="read only the files below an --input directory whose name matches GLOB, e.g. "
+                             "'*.txt' (default: every file)")
+
+
+def describe_inputs(files: Sequence[Path], limit: int = 10) -> str:
+    """One line per input file (up to ``limit``) with its size, for a CLI to print before it starts."""
+    total = sum(f.stat().st_size for f in files)
+    lines = [f"reading {len(files)} input file(s), {total / 2**20:,.1f} MiB:"]
+    lines += [f"  {f} ({f.stat().st_size / 2**20:,.2f} MiB)" for f in files[:limit]]
+    if len(files) > limit:
+        lines.append(f"  ... and {len(files) - limit} more")
+    return "\n".join(lines)
+
+
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     """The ``--max-document-bytes`` / ``--max-sentence-chars`` options both data-prep CLIs share."""
     parser.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES, metavar="N",
@@ -86,8 +107,10 @@ RawDocument = list[str] | str
 """A document as read: its sentences (BERT layout) or its whole text, still to be split (JSON lines)."""
 
 
-def input_files(inputs: Sequence[str | Path] | str | Path) -> list[Path]:
-    """Expand files and directories (recursively, sorted; hidden files skipped) into a list of files."""
+def input_files(inputs: Sequence[str | Path] | str | Path, pattern: str | None = None) -> list[Path]:
+    """Expand files and directories (recursively, sorted; hidden files skipped) into a list of files. ``pattern``
+    (a shell pattern such as ``*.txt``) keeps only the files below a directory whose name matches; files named
+    explicitly are always read."""
     if isinstance(inputs, str | Path):
         inputs = [inputs]
     if not inputs:
@@ -96,10 +119,11 @@ def input_files(inputs: Sequence[str | Path] | str | Path) -> list[Path]:
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
+            found = sorted(p for p in path.rglob(pattern or "*") if p.is_file()
                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
             if not found:
-                raise ValueError(f"input directory {path} holds no files")
+                raise ValueError(f"input directory {path} holds no files" +
+                                 (f" matching --input-pattern {pattern!r}" if pattern else ""))
             files.extend(found)
         elif path.is_file():
             files.append(path)

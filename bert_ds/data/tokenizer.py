@@ -38,7 +38,9 @@ from bert_ds.data.text import (
     DEFAULT_MAX_SENTENCE_CHARS,
     SkipCounts,
     TextLimits,
+    add_input_args,
     add_limit_args,
+    describe_inputs,
     input_files,
     iter_training_texts,
 )
@@ -390,16 +392,19 @@ def load_tokenizer(directory: str | Path) -> WordPieceTokenizer:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bert-ds-train-tokenizer", description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|DIR",
-                        help="text files (BERT layout or .jsonl with a 'text' field) or directories (recursive)")
-    parser.add_argument("--vocab-size", type=int, default=30522)
-    parser.add_argument("--out", required=True, help="output directory for vocab.txt, tokenizer.json, meta")
+    add_input_args(parser)
+    parser.add_argument("--vocab-size", type=int, default=30522,
+                        help="WordPiece vocabulary size (default %(default)s, Google's BERT vocabularies)")
+    parser.add_argument("--out", required=True,
+                        help="output directory for vocab.txt, tokenizer.json and tokenizer_meta.json")
     parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lowercase, strip)")
     parser.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a non-empty --out")
     add_limit_args(parser)
     args = parser.parse_args(argv)
     try:
-        out = train_tokenizer(args.input, args.out, vocab_size=args.vocab_size, cased=args.cased,
+        files = input_files(args.input, args.input_pattern)
+        print(describe_inputs(files), flush=True)
+        out = train_tokenizer(files, args.out, vocab_size=args.vocab_size, cased=args.cased,
                               max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
                               overwrite=args.overwrite)
     except (ValueError, OSError) as exc:  # bad input or an unusable --out: one line naming it, no traceback

@@ -125,3 +125,22 @@ def test_training_pieces_give_the_trainer_the_same_words(english_corpus, tmp_pat
     tok = _bert_pipeline(None, lowercase=lowercase)
     whole, cut = _words(tok, [body]), _words(tok, pieces)
     assert cut - whole == Counter() and whole - cut == Counter({"k" * 700: 1})
+
+
+def test_input_pattern_selects_files_below_a_directory_and_the_cli_lists_them(tmp_path, capsys):
+    from bert_ds.data.text import input_files
+    from bert_ds.data.tokenizer import main as train_tokenizer_main
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    text = "The first sentence is here.\nA second one follows it.\n\nAnother document starts.\nIt ends now.\n"
+    for name in ("a.txt", "sub/b.txt", "copy.jsonl", "held_out.eval"):
+        (corpus / name).write_text(text if not name.endswith(".jsonl") else '{"text": "x y"}\n')
+    assert [p.name for p in input_files(corpus)] == ["a.txt", "copy.jsonl", "held_out.eval", "b.txt"]
+    assert [p.name for p in input_files(corpus, "*.txt")] == ["a.txt", "b.txt"]
+    with pytest.raises(ValueError, match=r"no files matching --input-pattern '\*.md'"):
+        input_files(corpus, "*.md")
+    train_tokenizer_main(["--input", str(corpus), "--input-pattern", "*.txt", "--vocab-size", "120",
+                          "--out", str(tmp_path / "tok")])
+    listing = capsys.readouterr().out
+    assert "reading 2 input file(s)" in listing and "a.txt" in listing and "copy.jsonl" not in listing
