@@ -8,15 +8,19 @@ length ``seq_len - 3``, with probability ``short_seq_prob`` a random shorter one
 collected until the target is reached; A takes a random number of them; B is the rest (IsNext, label 0) or, with
 probability 1/2, sentences from a random start in a random *other* document until B reaches ``target - len(A)``
 (NotNext, label 1), and the sentences not used by A are put back. The longer side is then trimmed one token at a
-time, at its front or its back at random, until ``len(A) + len(B) <= seq_len - 3``. Departures from Google, each for
-a stated reason: * When only one sentence was collected Google forces NotNext; with a short target every sentence is
-such a chunk, so whole documents become NotNext and the labels drift well above 50% (56% measured on the test corpus
-at 128). Here the coin still decides: IsNext takes B from the sentences after it (up to the target), or, for a
-document's last sentence, takes that sentence as B and the one before it as A. * The random document is drawn from
-the *other* documents directly (Google retries 10 times and may end on the same document: a NotNext pair from the
-same document is a wrong label). * Documents with fewer than two sentences are skipped and counted: they cannot make
-an IsNext pair. * The front/back choices of a truncation are drawn as one binomial count per side (the same
-distribution as Google's per-token coin, in two calls).
+time, at its front or its back at random, until ``len(A) + len(B) <= seq_len - 3``.
+
+Departures from Google, each for a stated reason:
+
+* When only one sentence was collected Google forces NotNext; with a short target every sentence is such a chunk,
+  so whole documents become NotNext and the labels drift well above 50% (56% measured on the test corpus at 128).
+  Here the coin still decides: IsNext takes B from the sentences after it (up to the target), or, for a document's
+  last sentence, takes that sentence as B and the one before it as A.
+* The random document is drawn from the *other* documents directly (Google retries 10 times and may end on the same
+  document: a NotNext pair from the same document is a wrong label).
+* Documents with fewer than two sentences are skipped and counted: they cannot make an IsNext pair.
+* The front/back choices of a truncation are drawn as one binomial count per side (the same distribution as
+  Google's per-token coin, in two calls).
 """
 
 from __future__ import annotations
