@@ -53,8 +53,10 @@ import pickle
 import random
 import re
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -410,8 +412,12 @@ def _write_tag(engine, ckpt: Path, tmp_tag: str, tag: str, run_state: dict, rank
     """Everything that needs disk space, on this rank; returns the error instead of raising so all ranks can agree."""
     import deepspeed.comm as dist
 
+    from bert_ds.data.loader import LoaderWorkerError
+
     try:
         engine.save_checkpoint(str(ckpt), tag=tmp_tag, client_state={"bert_ds": run_state}, save_latest=False)
+    except LoaderWorkerError:
+        raise  # a worker died while we saved (SIGCHLD): not a failed save; the partial tag is debris for next start
     except (OSError, RuntimeError) as exc:  # torch.save on a full disk: RuntimeError "basic_ios::clear" / "file write"
         # DeepSpeed 0.19 (runtime/engine.py save_checkpoint) writes every file between its tag-validation all-reduce
         # and one closing barrier, where the other ranks now wait: stand in for it before agreeing.
@@ -424,6 +430,8 @@ def _write_tag(engine, ckpt: Path, tmp_tag: str, tag: str, run_state: dict, rank
             _write_synced(ckpt / tmp_tag / RUN_STATE_NAME, json.dumps(run_state, indent=1) + "\n")
             _fsync(ckpt / tmp_tag)
             _write_synced(ckpt / ".latest.tmp", tag)  # the pointer's bytes need space too: written before agreeing
+    except LoaderWorkerError:
+        raise
     except (OSError, RuntimeError) as exc:
         return exc
     return None
@@ -470,6 +478,25 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
     ``tag`` (replacing an older one) and then moves ``latest``, so a crash at any point leaves ``latest`` naming a
     complete checkpoint. Older tags beyond ``keep_last_k`` (phase ends excepted) are pruned afterwards.
     """
+    with _sigchld_deferred():
+        return _save_checkpoint(engine, run_dir, tag, run_state, keep_last_k)
+
+
+@contextlib.contextmanager
+def _sigchld_deferred():
+    """Hold SIGCHLD while a checkpoint is written: a loader worker that dies meanwhile (its DataLoader raises from the
+    SIGCHLD handler) is reported right after the save, which then completes, instead of aborting it half-written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep_last_k: int) -> Path:
     import deepspeed.comm as dist
 
     ckpt = checkpoint_dir(run_dir)

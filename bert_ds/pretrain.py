@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -127,19 +128,29 @@ def train(args: argparse.Namespace) -> int:
     return run(plan_run(args, recipe, rank, world_size))
 
 
+def _error(message: str) -> None:
+    # One write per line: ranks share the launcher's stderr, and print() writes the text and the newline separately.
+    sys.stderr.write(f"bert_ds.pretrain: error: {message}\n")
+    sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
         return train(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"bert_ds.pretrain: error: {exc}", file=sys.stderr, flush=True)
+        _error(str(exc))
         return EXIT_BAD_INPUT
     except NonFiniteLossError as exc:
-        print(f"bert_ds.pretrain: error: {exc}", file=sys.stderr, flush=True)
+        _error(str(exc))
         return EXIT_NONFINITE
     except LoaderWorkerError as exc:  # a worker process died (e.g. killed for memory): not bad input, but one line
-        print(f"bert_ds.pretrain: error: {exc}", file=sys.stderr, flush=True)
+        if Preemption.last_signal is not None:  # e.g. the deepspeed launcher ending every rank after one failed
+            _error(f"stopped by {signal.Signals(Preemption.last_signal).name} (the launcher ends all ranks when one "
+                   f"fails; look for the first failing rank above) while loader workers were ending: {exc}")
+        else:
+            _error(str(exc))
         return EXIT_FAILED
 
 

@@ -42,6 +42,9 @@ class NonFiniteLossError(RuntimeError):
 class Preemption:
     """SIGTERM/SIGUSR1 only set a flag; the loop checkpoints at the next step boundary."""
 
+    last_signal: int | None = None
+    """The last such signal this process received (read by the entry point to explain a failure it caused)."""
+
     def __init__(self) -> None:
         self.requested = False
         for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -49,6 +52,7 @@ class Preemption:
 
     def _handler(self, signum, frame) -> None:
         self.requested = True
+        Preemption.last_signal = signum
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,333 @@
+"""The harness of the fault and bad-input table (``tests/faults/test_fault_table.py``): a :class:`Case` record, the
+commands it may run (``bert_ds.pretrain`` on real DeepSpeed CPU ranks, the ``tools/`` CLIs), a fault injected while
+the command runs (a :class:`Trigger` fired by an output line), the exit measured, survivors of the process tree
+found, and one markdown row per case appended to ``$BERT_DS_FAULT_REPORT``.
+
+The table's recipe is the shipped ``ds_configs/tiny_cpu.json`` (dropout 0.1, ZeRO-2, LAMB, two phases) with only the
+run length and intervals cut (:func:`fault_recipe`), so a whole run takes seconds on two CPU ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from tests.helpers import HANG_GUARD_S
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+TINY_CPU = REPO / "ds_configs" / "tiny_cpu.json"
+REPORT_ENV = "BERT_DS_FAULT_REPORT"
+ERROR_LINE = r"^(bert_ds\.pretrain: error: |error: |bert-ds-[a-z-]+: error: |verification failed: )"
+"""How the first line of a refusal starts, for every CLI the table runs (``tools/verify_shards.py`` excepted: its
+lines start with the shard set, see the cases)."""
+ORPHAN_GRACE_S = 15.0
+"""A DataLoader worker notices its rank is gone within torch's 5 s status poll; anything alive after this is an
+orphan."""
+
+# Run length of the table's recipe: 6 + 2 steps, a checkpoint every 2 (phase 1) and every step (phase 2), evaluation
+# (when --eval-data is given) at the same points, a console line every step so triggers can fire on "step N |".
+PHASE1_STEPS, PHASE2_STEPS = 6, 2
+FINAL_TAG = f"phase2-step{PHASE2_STEPS:06d}"
+PHASE1_END = f"phase1-step{PHASE1_STEPS:06d}"
+
+
+def fault_recipe(path: Path, **changes) -> Path:
+    """``tiny_cpu.json`` (dropout 0.1 from the tiny preset, ZeRO-2, LAMB, 2 phases, keep_last_k 2) with phase 1 cut
+    to 6 steps and phase 2 to 2, logging every step; ``changes`` are applied to the result as ``dotted.key=value``
+    (``phases.0.lr`` addresses a phase)."""
+    recipe = json.loads(TINY_CPU.read_text())
+    recipe["logging"]["interval"] = 1
+    recipe["phases"][0].update(steps=PHASE1_STEPS, checkpoint_interval=2, eval_interval=2)
+    recipe["phases"][1].update(steps=PHASE2_STEPS, checkpoint_interval=1, eval_interval=1)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = recipe
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        node[leaf] = value
+    path.write_text(json.dumps(recipe, indent=1))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pretrain_cmd(args: list[str], nprocs: int) -> list[str]:
+    """``deepspeed --num_gpus N bert_ds/pretrain.py ARGS`` (N real CPU ranks), or ``python -m bert_ds.pretrain`` for
+    one rank without the launcher."""
+    if nprocs == 1:
+        return [sys.executable, "-m", "bert_ds.pretrain", *args]
+    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(_free_port()),
+            str(REPO / "bert_ds" / "pretrain.py"), *args]
+
+
+def tool_cmd(script: str, args: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / "tools" / script), *args]
+
+
+def _rank_of(proc: psutil.Process) -> int | None:
+    """The local rank a ``bert_ds.pretrain`` process runs as (``--local_rank=N`` from the deepspeed launcher; a bare
+    ``python -m bert_ds.pretrain`` is rank 0), or None."""
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return None
+    if "bert_ds.pretrain" in cmd:
+        return 0
+    if any(a.endswith("pretrain.py") for a in cmd):
+        return next((int(a.split("=", 1)[1]) for a in cmd if a.startswith("--local_rank=")), None)
+    return None
+
+
+def ranks(launcher: psutil.Process) -> dict[int, psutil.Process]:
+    """The launcher's live rank processes by local rank. A DataLoader worker is forked from its rank and shows the
+    same command line: it is told apart by its parent being a rank."""
+    found = {}
+    for proc in [launcher, *launcher.children(recursive=True)]:
+        rank = _rank_of(proc)
+        try:
+            parent = proc.parent()
+        except psutil.Error:
+            continue
+        if rank is not None and (parent is None or _rank_of(parent) is None):
+            found[rank] = proc
+    return found
+
+
+def kill_rank(rank: int, sig: int = signal.SIGKILL) -> Callable[[psutil.Process], str]:
+    def act(launcher: psutil.Process) -> str:
+        target = ranks(launcher)[rank]
+        target.send_signal(sig)
+        return f"{signal.Signals(sig).name} to rank {rank} (pid {target.pid})"
+    return act
+
+
+def signal_every_rank(sig: int) -> Callable[[psutil.Process], str]:
+    """What ``srun --signal`` / a Slurm pre-emption does: the signal reaches every rank process."""
+    def act(launcher: psutil.Process) -> str:
+        targets = ranks(launcher)
+        for proc in targets.values():
+            proc.send_signal(sig)
+        return f"{signal.Signals(sig).name} to ranks {sorted(targets)}"
+    return act
+
+
+def kill_loader_worker(rank: int) -> Callable[[psutil.Process], str]:
+    """SIGKILL the DataLoader worker process(es) of one rank (what the kernel's OOM killer does to a worker)."""
+    def act(launcher: psutil.Process) -> str:
+        workers = ranks(launcher)[rank].children()
+        for worker in workers:
+            worker.kill()
+        return f"SIGKILL to rank {rank}'s loader worker(s) {[w.pid for w in workers]}"
+    return act
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Fire ``action(launcher)`` once, on the first output line matching ``pattern``."""
+
+    pattern: str
+    action: Callable[[psutil.Process], str]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One command of a case; ``preexec`` runs in the child before exec (resource limits)."""
+
+    cmd: list[str]
+    trigger: Trigger | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    preexec: Callable[[], None] | None = None
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    seconds: float
+    """From the fault (the trigger firing) or, without a trigger, from the start, to the command's exit."""
+    lines: list[str]
+    """stdout and stderr, interleaved as written."""
+    fault: str | None
+    """What the trigger did, or None when it never fired."""
+    survivors: list[str]
+    """Processes of the command's tree still alive ``ORPHAN_GRACE_S`` after it exited (killed by the harness)."""
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def first_line(self, pattern: str) -> str | None:
+        return next((ln.rstrip("\n") for ln in self.lines if re.search(pattern, ln)), None)
+
+
+def _tree(root: psutil.Process) -> dict[int, psutil.Process]:
+    try:
+        return {p.pid: p for p in root.children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _reap_survivors(seen: dict[int, psutil.Process]) -> list[str]:
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while time.monotonic() < deadline and any(_alive(p) for p in seen.values()):
+        time.sleep(0.2)
+    survivors = []
+    for pid, proc in seen.items():
+        if _alive(proc):
+            survivors.append(f"pid {pid} {' '.join(proc.cmdline())[:120]}")
+            proc.kill()  # a process this test started: do not leave it to the next case
+    return survivors
+
+
+def execute(launch: Launch, timeout: float = HANG_GUARD_S) -> Outcome:
+    """Run ``launch`` to its exit, firing its trigger on the way; every process of its tree is watched so that a
+    survivor of the exit is reported (and killed)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **launch.env}
+    start = time.monotonic()
+    proc = subprocess.Popen(launch.cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", preexec_fn=launch.preexec)
+    root = psutil.Process(proc.pid)
+    lines: list[str] = []
+    seen: dict[int, psutil.Process] = {}
+    fired: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            seen.update(_tree(root))
+            trigger = launch.trigger
+            if trigger and not fired and re.search(trigger.pattern, line):
+                seen.update(_tree(root))
+                fired.append((time.monotonic(), trigger.action(root)))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        returncode = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        returncode = proc.wait()
+    end = time.monotonic()
+    survivors = _reap_survivors(seen)
+    reader.join(timeout=30)
+    t0, fault = fired[0] if fired else (start, None)
+    return Outcome(returncode=returncode, seconds=end - t0, lines=lines, fault=fault, survivors=survivors)
+
+
+def limit_memory(limit_bytes: int) -> Callable[[], None]:
+    """``preexec_fn`` capping the address space (RLIMIT_AS): a run that needs more fails instead of swapping."""
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+    return apply
+
+
+def limit_file_size(limit_bytes: int) -> Callable[[], None]:
+    """``preexec_fn`` capping every file the command (and its ranks: limits are inherited) writes: a write past it
+    fails with EFBIG, as on a full disk (SIGXFSZ ignored, which exec keeps)."""
+    def apply() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
+# ---- shard surgery ----------------------------------------------------------------------------------------------
+
+def patch_file(path: Path, offset: int, value: bytes) -> None:
+    """Overwrite bytes in place (the file's size is unchanged, so only content checks can see it)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(value)
+
+
+def rehash(shard_dir: Path, shard_name: str) -> None:
+    """Write ``shard_name``'s real sha256 into ``index.json``: the corruption then passes every checksum."""
+    index_path = shard_dir / "index.json"
+    index = json.loads(index_path.read_text())
+    digest = hashlib.sha256((shard_dir / shard_name).read_bytes()).hexdigest()
+    for entry in index["shards"]:
+        if entry["name"] == shard_name:
+            entry["sha256"] = digest
+    index_path.write_text(json.dumps(index, indent=1))
+
+
+@dataclass(frozen=True)
+class Member:
+    """Where one sample's ``.pair`` record lies in its shard file."""
+
+    shard: str
+    name: str
+    offset: int
+    length: int
+    predictions: int
+
+
+def first_member(shard_dir: Path, recipe: Path, phase: int = 0, world_size: int = 2) -> Member:
+    """The record rank 0 reads first in ``phase`` of a run of ``recipe`` on ``world_size`` ranks (the loader's order
+    is a function of the recipe seed and the phase only)."""
+    from bert_ds.data.loader import build_loader
+    from bert_ds.data.reader import ShardReader
+    from bert_ds.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    ph = loaded.phases[phase]
+    loader = build_loader(shard_dir, global_batch_size=ph.global_batch_size, micro_batch_size=ph.micro_batch_size,
+                          rank=0, world_size=world_size, seed=loaded.seed + phase, num_workers=0, verify="size",
+                          shuffle_window_shards=ph.shuffle_window_shards)
+    reader = ShardReader(shard_dir, verify="size")
+    shards, indices = reader.locate(loader.sample_ids(0)[:1])
+    shard, index = int(shards[0]), int(indices[0])
+    handle = reader.open(shard)
+    sample = reader.sample(shard, index)
+    member = Member(shard=reader.shard_path(shard)[0].name, name=handle.members.names[index],
+                    offset=int(handle.members.offsets[index]), length=sample.length,
+                    predictions=len(sample.masked_positions))
+    reader.close()
+    return member
+
+
+# ---- the report ----------------------------------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ").strip()
+
+
+def report_row(case_id: str, item: str, outcome: Outcome, message: str | None, lost: str) -> None:
+    """Append the case's row to ``$BERT_DS_FAULT_REPORT`` (a markdown table; header written first)."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    report = Path(path)
+    new = not report.exists() or report.stat().st_size == 0
+    with open(report, "a", encoding="utf-8") as f:
+        if new:
+            f.write("| case | item | exit | s to exit | first line of the message | what was lost |\n"
+                    "|---|---|---|---|---|---|\n")
+        f.write(f"| {_cell(case_id)} | {_cell(item)} | {outcome.returncode} | {outcome.seconds:.1f} | "
+                f"`{_cell(message or '(none)')}` | {_cell(lost)} |\n")
