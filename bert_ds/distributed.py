@@ -13,12 +13,13 @@ import random
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["EXTENSION_LOCK_STALE_S", "extension_build_locks", "init_distributed", "prebuild_extensions",
+__all__ = ["EXTENSION_LOCK_STALE_S", "extension_build_locks", "init_distributed", "launch_path", "prebuild_extensions",
            "seed_everything", "wait_for_extension_builds"]
 
 log = logging.getLogger(__name__)
@@ -95,17 +96,47 @@ def prebuild_extensions() -> list[str]:
     return built
 
 
+def launch_path(env: Mapping[str, str]) -> str:
+    """Which launcher started this process: ``launcher`` (deepspeed/torchrun: RANK is set), ``mpirun`` (Open MPI's
+    OMPI_COMM_WORLD_* variables), ``srun`` (a Slurm job step of more than one task) or ``single`` (this includes
+    ``python`` run straight from an sbatch script: the batch shell has SLURM_NTASKS and SLURM_PROCID=0 but no step).
+    mpirun comes before srun: inside a Slurm job mpirun's ranks inherit SLURM_* variables that are not theirs."""
+    if "RANK" in env:
+        return "launcher"
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return "mpirun"
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        return "srun"
+    return "single"
+
+
 def _env_from_slurm() -> None:
     """``srun python -m bert_ds.pretrain``: one task per rank, so Slurm's --signal reaches every rank directly (the
-    deepspeed launcher would answer SIGTERM by killing its ranks before they can checkpoint)."""
+    deepspeed launcher would answer SIGTERM by killing its ranks before they can checkpoint). MASTER_ADDR defaults to
+    the job's first node, MASTER_PORT to the job's port (``bert_ds.launch.slurm_master_port``)."""
+    from bert_ds.launch import parse_tasks_per_node, slurm_hostnames, slurm_master_port
+
     if "MASTER_ADDR" not in os.environ:
-        raise ValueError("under srun without a launcher, export MASTER_ADDR (the first node's hostname) "
-                         "and optionally MASTER_PORT")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise ValueError("under srun without a launcher and without SLURM_JOB_NODELIST, export MASTER_ADDR "
+                             "(the first node's hostname) and optionally MASTER_PORT")
+        os.environ["MASTER_ADDR"] = slurm_hostnames(nodelist)[0]
+    os.environ.setdefault("MASTER_PORT", str(slurm_master_port(os.environ)))
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
                       LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    if os.environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
-        os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["SLURM_NTASKS_PER_NODE"])
+    if os.environ.get("SLURM_STEP_TASKS_PER_NODE"):  # e.g. "8(x4)": the fullest node sets the thread split
+        per_node = max(parse_tasks_per_node(os.environ["SLURM_STEP_TASKS_PER_NODE"]))
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(per_node))
+
+
+def _env_from_mpirun() -> int:
+    """``mpirun -np N python -m bert_ds.pretrain``: DeepSpeed's MPI discovery (mpi4py) sets RANK, WORLD_SIZE,
+    LOCAL_RANK and MASTER_ADDR (rank 0's ``hostname -I``) inside ``deepspeed.init_distributed``; here only the ranks
+    per host (for the thread split) and the port: discovery would otherwise always take 29500, so a second job on a
+    node would collide. Returns the port (``mpirun -x MASTER_PORT=...`` picks another)."""
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    return int(os.environ.get("MASTER_PORT", "29500"))
 
 
 def _env_single_process() -> None:
@@ -121,10 +152,13 @@ def init_distributed() -> tuple[int, int]:
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
-    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    path = launch_path(os.environ)
+    port = 29500
+    if path == "srun":
         _env_from_slurm()
-    if "RANK" not in os.environ and not under_mpirun:
+    elif path == "mpirun":
+        port = _env_from_mpirun()
+    elif path == "single":
         _env_single_process()
     accel = get_accelerator()
     cpu = accel.device_name() == "cpu"
@@ -134,7 +168,7 @@ def init_distributed() -> tuple[int, int]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     backend = "gloo" if cpu else accel.communication_backend_name()
     wait_for_extension_builds()  # DeepSpeed's backend builds its shm extension here on CPU, under a lock
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=under_mpirun)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -266,11 +266,15 @@ def _init_worker() -> None:
 
 def _mpi_comm():
     """The MPI world communicator when launched by mpirun/srun with more than one rank, else None."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
-        if int(os.environ.get(var, "1")) > 1:
-            from mpi4py import MPI
+    sizes = [int(os.environ.get(var, "1")) for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
+                                                         "MV2_COMM_WORLD_SIZE")]
+    # `srun --mpi=pmix` sets PMIX_RANK but no size variable: the job step's task count is the world size.
+    if "PMIX_RANK" in os.environ:
+        sizes.append(int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
+    if max(sizes) > 1:
+        from mpi4py import MPI
 
-            return MPI.COMM_WORLD
+        return MPI.COMM_WORLD
     return None
 
 

@@ -1,0 +1,150 @@
+"""Hostfiles from a host list or a Slurm allocation (``bert_ds.launch``), and how ``bert_ds.distributed`` tells the
+launch paths apart, and the checks the ``slurm/`` scripts make before starting anything. No ranks start here (the
+launches run in test_launch_paths.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bert_ds import distributed
+from bert_ds.launch import (
+    format_hostfile,
+    hosts_from_list,
+    hosts_from_slurm,
+    main,
+    parse_tasks_per_node,
+    slurm_master_port,
+    write_hostfile,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _expand(nodelist: str) -> list[str]:
+    """A stand-in for ``scontrol show hostnames`` on the two node lists these tests use."""
+    return {"gpu[01-02]": ["gpu01", "gpu02"], "cpu[1-3]": ["cpu1", "cpu2", "cpu3"]}[nodelist]
+
+
+def test_host_list_with_and_without_slots():
+    assert hosts_from_list("a:8,b:4") == [("a", 8), ("b", 4)]
+    assert hosts_from_list("node0 node1", slots=2) == [("node0", 2), ("node1", 2)]
+    assert hosts_from_list("a:1, b", slots=3) == [("a", 1), ("b", 3)]
+
+
+@pytest.mark.parametrize(("spec", "slots", "message"), [
+    ("a,b", None, "no :SLOTS"), ("a:x", None, "not HOST or HOST:SLOTS"), ("a:2,a:2", None, "appears twice"),
+    ("a:0", None, "at least 1"), ("", 2, "no hosts"), ("a/b:1", None, "not a host name"),
+])
+def test_host_list_refuses_bad_input(spec, slots, message):
+    with pytest.raises(ValueError, match=message):
+        hosts_from_list(spec, slots)
+
+
+def test_slurm_compressed_task_counts():
+    assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert parse_tasks_per_node("8") == [8]
+    with pytest.raises(ValueError, match="not N or N"):
+        parse_tasks_per_node("2(3)")
+
+
+def test_slurm_slots_prefer_gpus_then_tasks_per_node():
+    # The deepspeed launcher starts one rank per GPU however many Slurm tasks run it: GPUs win.
+    gpu_job = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "1"}
+    assert hosts_from_slurm(gpu_job, expand=_expand) == [("gpu01", 8), ("gpu02", 8)]
+    cpu_job = {"SLURM_JOB_NODELIST": "cpu[1-3]", "SLURM_NTASKS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "0"}
+    assert hosts_from_slurm(cpu_job, expand=_expand) == [("cpu1", 4), ("cpu2", 4), ("cpu3", 4)]
+    uneven = {"SLURM_JOB_NODELIST": "cpu[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+    assert hosts_from_slurm(uneven, expand=_expand) == [("cpu1", 2), ("cpu2", 2), ("cpu3", 1)]
+    assert hosts_from_slurm(gpu_job, slots=2, expand=_expand) == [("gpu01", 2), ("gpu02", 2)]
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({}, "SLURM_JOB_NODELIST is not set"),
+    ({"SLURM_JOB_NODELIST": "cpu[1-3]"}, "pass --slots"),
+    ({"SLURM_JOB_NODELIST": "cpu[1-3]", "SLURM_TASKS_PER_NODE": "2(x2)"}, "gives 2 node"),
+])
+def test_slurm_hosts_refuse_an_incomplete_environment(env, message):
+    with pytest.raises(ValueError, match=message):
+        hosts_from_slurm(env, expand=_expand)
+
+
+def test_hostfile_is_what_deepspeed_reads(tmp_path):
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    hosts = [("node0", 8), ("node1", 4)]
+    path = write_hostfile(tmp_path / "hostfile", hosts)
+    assert path.read_text() == format_hostfile(hosts) == "node0 slots=8\nnode1 slots=4\n"
+    assert list(fetch_hostfile(str(path)).items()) == hosts
+
+
+def test_cli_writes_a_hostfile_and_fails_in_one_line(tmp_path, capsys):
+    out = tmp_path / "hosts"
+    assert main(["--hosts", "n0,n1", "--slots", "2", "--output", str(out)]) == 0
+    assert out.read_text() == "n0 slots=2\nn1 slots=2\n"
+    assert "2 node(s), 4 rank(s); node 0 (--master_addr): n0" in capsys.readouterr().err
+    assert main(["--hosts", "n0:2,n0:2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "appears twice" in err
+
+
+def test_slurm_master_port_is_shared_by_a_job_and_differs_between_jobs():
+    ports = {slurm_master_port({"SLURM_JOB_ID": str(job)}) for job in range(1000, 1100)}
+    assert len(ports) == 100 and all(20000 <= p < 40000 for p in ports)
+    assert slurm_master_port({"SLURM_JOB_ID": "123"}) == slurm_master_port({"SLURM_JOB_ID": "123"})
+
+
+@pytest.mark.parametrize(("env", "path"), [
+    ({"RANK": "1", "SLURM_STEP_NUM_TASKS": "2", "OMPI_COMM_WORLD_RANK": "0"}, "launcher"),
+    # mpirun inside a Slurm job: the ranks inherit the job's SLURM_* variables, which are not theirs.
+    ({"OMPI_COMM_WORLD_RANK": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}, "mpirun"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "srun"),
+    # python straight from an sbatch script of 2 tasks: the batch shell is no job step.
+    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, "single"),
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, "single"),
+    ({}, "single"),
+])
+def test_launch_path(env, path):
+    assert distributed.launch_path(env) == path
+
+
+def test_srun_environment_maps_to_torch_variables(monkeypatch):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+    monkeypatch.setattr("bert_ds.launch.slurm_hostnames", lambda nodelist: seen.append(nodelist) or ["gpu01", "gpu02"])
+    for var, value in {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
+                       "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_STEP_NODELIST": "gpu[01-02]"}.items():
+        monkeypatch.setenv(var, value)
+    distributed._env_from_slurm()
+    got = {var: os.environ[var] for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                            "LOCAL_WORLD_SIZE")}
+    assert seen == ["gpu[01-02]"]
+    assert got == {"MASTER_ADDR": "gpu01", "MASTER_PORT": str(slurm_master_port({"SLURM_JOB_ID": "4242"})),
+                   "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"}
+
+
+def _run_script(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A ``slurm/`` script run by bash outside Slurm with only ``env`` (and PATH): its checks fail before any srun."""
+    return subprocess.run(["bash", str(REPO / "slurm" / script)], cwd=cwd, env={"PATH": os.environ["PATH"], **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("script", ["pretrain_base.sh", "pretrain_large.sh"])
+def test_pretrain_scripts_take_sizes_from_the_allocation(script, tmp_path):
+    proc = _run_script(script, REPO)
+    assert proc.returncode == 2 and "submit this with sbatch" in proc.stderr
+    # 8 GPUs per node but one task per node: srun would start 1 rank per node and leave 7 GPUs idle.
+    proc = _run_script(script, REPO, SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="8", SLURM_NTASKS="8",
+                       SLURM_TASKS_PER_NODE="1(x8)", SLURM_GPUS_ON_NODE="8")
+    assert proc.returncode == 2 and "sbatch --ntasks-per-node=8" in proc.stderr, proc.stderr
+    proc = _run_script(script, tmp_path, SLURM_JOB_ID="7")
+    assert proc.returncode == 2 and "submit from the bert_ds checkout" in proc.stderr, proc.stderr
+
+
+def test_create_shards_script_needs_a_slurm_job():
+    proc = _run_script("create_shards.sh", REPO)
+    assert proc.returncode == 2 and "submit this with sbatch" in proc.stderr
