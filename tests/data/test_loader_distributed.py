@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 from bert_ds.data.loader import build_loader
 from bert_ds.data.synthetic import sample_ids_of_batch, write_synthetic_shards
+from tests.helpers import free_port
 
 # [CLS], [SEP], [MASK] in bert_ds's special-token order (tokenizer.SPECIAL_TOKENS): the synthetic shards' specials.
 SPECIAL_IDS = {"cls_id": 2, "sep_id": 3, "mask_id": 4}
@@ -38,12 +38,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_gloo_exactly_once(tmp_path):
     data = tmp_path / "shards"
     write_synthetic_shards(data, num_samples=700, samples_per_shard=100, seq_len=64, max_predictions=10,
@@ -52,7 +46,7 @@ def test_two_processes_gloo_exactly_once(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "gathered.json"
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from bert_ds.checkpoint import RUN_STATE_NAME, checkpoint_dir, tag_for, write_ru
 from bert_ds.config import BertConfig, model_preset
 from bert_ds.model import BertForPreTraining
 from bert_ds.recipe import load_recipe
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = tag_for(0, 1)
@@ -60,12 +60,6 @@ def write_stage0_run(run_dir: Path, model: BertForPreTraining, tokenizer_source:
     (ckpt / tag / RUN_STATE_NAME).write_text(json.dumps({"world_size": 1}) + "\n")
     (ckpt / "latest").write_text(tag)
     return ckpt
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_checkpoint(out: Path, stage: int) -> None:
@@ -108,7 +102,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
     args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     import deepspeed
 

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers import HANG_GUARD_S
+from tests.helpers import HANG_GUARD_S, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -63,18 +62,12 @@ def fault_recipe(path: Path, **changes) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pretrain_cmd(args: list[str], nprocs: int) -> list[str]:
     """``deepspeed --num_gpus N bert_ds/pretrain.py ARGS`` (N real CPU ranks), or ``python -m bert_ds.pretrain`` for
     one rank without the launcher."""
     if nprocs == 1:
         return [sys.executable, "-m", "bert_ds.pretrain", *args]
-    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(_free_port()),
+    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
             str(REPO / "bert_ds" / "pretrain.py"), *args]
 
 

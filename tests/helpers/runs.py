@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from tests.helpers import HANG_GUARD_S
+from tests.helpers import HANG_GUARD_S, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -46,12 +45,6 @@ def write_recipe(path: Path, base: dict | None = None, **changes) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S, check: bool = True,
                  ) -> subprocess.CompletedProcess:
     """``python -m bert_ds.pretrain`` (1 process) or ``deepspeed --num_gpus N bert_ds/pretrain.py`` (N CPU ranks).
@@ -66,7 +59,7 @@ def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S
     if nprocs == 1:
         cmd = [sys.executable, "-m", "bert_ds.pretrain", *args]
     else:
-        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(_free_port()),
+        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
                str(REPO / "bert_ds" / "pretrain.py"), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

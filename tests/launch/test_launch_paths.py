@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from bert_ds.launch import hosts_from_list, write_hostfile
-from tests.helpers import HANG_GUARD_S
-from tests.helpers.runs import REPO, SMALL_RECIPE, VENV_BIN, _free_port, run_pretrain, weights, write_recipe
+from tests.helpers import HANG_GUARD_S, free_port
+from tests.helpers.runs import REPO, SMALL_RECIPE, VENV_BIN, run_pretrain, weights, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +139,7 @@ def baseline(case, tmp_path_factory) -> dict[str, torch.Tensor]:
 def test_two_launchers_with_no_ssh_match_one_node(case, baseline, tmp_path):
     # With --no_ssh the hostfile only counts ranks (host names are labels, never resolved): node_rank picks the line.
     hostfile = write_hostfile(tmp_path / "hostfile", hosts_from_list("node0:1,node1:1"))
-    port, run = _free_port(), tmp_path / "run"
+    port, run = free_port(), tmp_path / "run"
     cmds = [[str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
              "--master_addr", "127.0.0.1", "--master_port", str(port), str(REPO / "bert_ds" / "pretrain.py"),
              *case.args(run)] for node in (0, 1)]
@@ -154,7 +154,7 @@ def test_mpirun_matches_one_node(case, baseline, tmp_path):
     # MASTER_PORT: DeepSpeed's MPI discovery would take 29500, which another job on this machine may hold.
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
            "-x", "OMP_NUM_THREADS", sys.executable, "-m", "bert_ds.pretrain", *case.args(run)]
-    _run_together([cmd], _env(MASTER_PORT=str(_free_port())), [log])
+    _run_together([cmd], _env(MASTER_PORT=str(free_port())), [log])
     _assert_bit_identical(_final_weights(run), baseline, "mpirun -np 2")
 
 
@@ -176,7 +176,7 @@ def test_deepspeed_launcher_from_a_slurm_hostfile_matches_one_node(case, baselin
                           check=True).stdout.split()[0]
     hostfile, run = tmp_path / "hostfile", tmp_path / "run"
     deepspeed_flags = shlex.join([str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"])
-    script_args = shlex.join(["--master_port", str(_free_port()), str(REPO / "bert_ds" / "pretrain.py"),
+    script_args = shlex.join(["--master_port", str(free_port()), str(REPO / "bert_ds" / "pretrain.py"),
                               *case.args(run)])
     (tmp_path / "node.sh").write_text(f'exec {deepspeed_flags} --node_rank "$SLURM_NODEID" --master_addr "$master" '
                                       f"{script_args}\n")
