@@ -7,7 +7,12 @@ Losses are weighted the same way: masked-LM loss by masked tokens, NSP loss by s
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import logging
+import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,13 +23,18 @@ from torch import nn
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint
 from bert_ds.config import BertConfig
 
-__all__ = ["MODEL_INPUTS", "evaluate", "load_checkpoint_model", "evaluate_checkpoint"]
+__all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "load_checkpoint_model", "recipe_kernels", "evaluate_checkpoint",
+           "main"]
 
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
                 "next_sentence_label")
 """Batch keys passed to the model (the loader's ``lengths`` is not a model input)."""
+
+RECIPE_NAME = "recipe.json"
+"""The resolved recipe a run writes into its run directory, beside ``checkpoints/``
+(:func:`bert_ds.checkpoint.write_run_metadata`)."""
 
 # Slots of the running-sum vector (float64: exact for counts far beyond any eval set, and fine for NCCL and gloo).
 _MLM_CORRECT, _MLM_TOTAL, _NSP_CORRECT, _NSP_TOTAL, _MLM_LOSS_SUM, _NSP_LOSS_SUM, _SAMPLES = range(7)
@@ -118,13 +128,42 @@ def _model_from_checkpoint(ref: CheckpointRef, kernels: str) -> nn.Module:
     return model
 
 
+def recipe_kernels(checkpoint_dir: str | Path) -> tuple[str, str]:
+    """``(kernels, source)``: the fused-op backend of the run's recipe (``RUN_DIR/recipe.json`` beside
+    ``RUN_DIR/checkpoints``), or ``auto`` when the checkpoint directory was copied without its run directory."""
+    from bert_ds.recipe import load_recipe
+
+    path = Path(checkpoint_dir).resolve().parent / RECIPE_NAME
+    if not path.is_file():
+        return "auto", f"default, no {path}"
+    return load_recipe(path).kernels, str(path)
+
+
+def _choose_kernels(requested: str | None, checkpoint_dir: Path, device: torch.device) -> tuple[str, str, bool]:
+    """``(backend, where it came from, fell back)``: ``requested`` (``--kernels``) or the recipe's, checked on
+    ``device`` before a large checkpoint is consolidated; ``auto`` off CUDA becomes ``torch`` (fell back)."""
+    from bert_ds.kernels.registry import OPS, resolve_backend
+
+    kernels, source = (requested, "--kernels") if requested is not None else recipe_kernels(checkpoint_dir)
+    if kernels == "auto" and device.type != "cuda":
+        return "torch", source, True
+    if kernels != "auto":
+        for op in OPS:
+            try:
+                resolve_backend(op, kernels, device)
+            except (RuntimeError, ValueError) as exc:
+                raise ValueError(f"kernels={kernels!r} ({source}): {exc}; pass --kernels torch") from exc
+    return kernels, source, False
+
+
 def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag: str | None = None,
                         batch_size: int = 32, max_batches: int | None = None, device: str | None = None,
-                        num_workers: int = 0, kernels: str = "auto") -> dict:
+                        num_workers: int = 0, kernels: str | None = None) -> dict:
     """Evaluate a training checkpoint on a shard set whose vocabulary must be the checkpoint's tokenizer's.
 
-    Adds ``checkpoint`` and ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError with the
-    offending path for a missing or incompatible checkpoint or data directory."""
+    ``kernels`` None uses the run's recipe (:func:`recipe_kernels`); ``auto`` off CUDA runs the torch twins with one
+    warning. Adds ``checkpoint`` and ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError
+    with the offending path for a missing or incompatible checkpoint or data directory."""
     from bert_ds.data.index import ShardIndex
     from bert_ds.data.loader import build_eval_loader
     from bert_ds.data.tokenizer import load_tokenizer
@@ -142,12 +181,63 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
                          f"max_position_embeddings={config.max_position_embeddings}")
 
     # Compatibility first: consolidating a large ZeRO checkpoint takes a while and should not precede a refusal.
-    model = _model_from_checkpoint(ref, kernels)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kernels, kernels_source, fell_back = _choose_kernels(kernels, ref.checkpoint_dir, device)
+    model = _model_from_checkpoint(ref, kernels)
+    if fell_back:
+        # Said once here: the kernel registry would warn once per fused op (three lines) about the same fact.
+        log.warning("kernels 'auto' (%s): no Triton kernels on %s, evaluating with the torch implementations",
+                    kernels_source, device.type)
     model.to(device)
     loader = build_eval_loader(data_dir, micro_batch_size=batch_size, num_workers=num_workers,
                                expected_vocab_sha256=vocab_hash)
-    log.info("evaluating %s (tag %s) on %s: %d samples, seq_len %d, device %s", ref.checkpoint_dir, ref.tag,
-             data_dir, index.total_samples, index.seq_len, device)
+    log.info("evaluating %s (tag %s) on %s: %d samples, seq_len %d, device %s, kernels %s (%s)", ref.checkpoint_dir,
+             ref.tag, data_dir, index.total_samples, index.seq_len, device, kernels, kernels_source)
     metrics = evaluate(model, loader, device, max_batches=max_batches)
     return {**metrics, "checkpoint": str(ref.checkpoint_dir), "tag": ref.tag}
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bert-ds-evaluate", description="Evaluate a bert_ds training checkpoint on "
+                                     "a held-out shard set; prints one JSON line on stdout, everything else on stderr.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="DeepSpeed save dir, RUN_DIR/checkpoints ('latest', tag folders, model_config.json, "
+                             "tokenizer/)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    parser.add_argument("--data", required=True, help="shard directory with index.json (e.g. made with "
+                        "bert-ds-create-shards from held-out text)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (default: 32)")
+    parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes (default: 0)")
+    parser.add_argument("--kernels", default=None, choices=("auto", "triton", "torch", "apex"),
+                        help="fused-op backend (default: the run's, from RUN_DIR/recipe.json; auto without one)")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_batches is not None and args.max_batches < 1:
+        parser.error(f"--max-batches must be >= 1, got {args.max_batches}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bert-ds-evaluate`` / ``tools/evaluate.py``: exit 0 with one JSON line (mlm_accuracy, nsp_accuracy, mlm_loss,
+    nsp_loss, samples, masked_tokens, checkpoint, tag) on stdout, 2 for a missing or incompatible input."""
+    args = _parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if not torch.cuda.is_available():
+        # Consolidation imports DeepSpeed, which warns that it "was unable to detect" a GPU when it falls back to its
+        # CPU accelerator by itself; naming the accelerator it would pick anyway keeps the output to one warning.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    stdout = sys.stdout
+    # DeepSpeed and zero_to_fp32 print to stdout; keep stdout for the one JSON line.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            metrics = evaluate_checkpoint(args.checkpoint, args.data, tag=args.tag, batch_size=args.batch_size,
+                                          max_batches=args.max_batches, device=args.device,
+                                          num_workers=args.num_workers, kernels=args.kernels)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(json.dumps(metrics), file=stdout, flush=True)
+    return 0

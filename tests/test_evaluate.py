@@ -1,6 +1,8 @@
 import importlib.util
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -287,3 +289,49 @@ def test_cli_bad_input_exits_2(ds_checkpoint, tmp_path, capsys, case, pattern):
     assert code == 2
     assert captured.out == ""
     assert pattern in captured.err and captured.err.startswith("error: ")
+
+
+def _run_with_recipe_kernels(ds_checkpoint: Path, tmp_path: Path, kernels: str | None, *extra: str,
+                             env: dict | None = None) -> subprocess.CompletedProcess:
+    """tools/evaluate.py on a copy of the stage-2 run whose recipe.json says ``kernels`` (None: as written)."""
+    run = tmp_path / "run"
+    shutil.copytree(ds_checkpoint / "stage2", run)
+    if kernels is not None:
+        recipe = json.loads((run / "recipe.json").read_text())
+        recipe["kernels"] = kernels
+        (run / "recipe.json").write_text(json.dumps(recipe))
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), "--checkpoint",
+                           str(run / "checkpoints"), "--data", str(ds_checkpoint / "eval"), "--batch-size", "4",
+                           "--device", "cpu", *extra], capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if re.search("warn", line, re.IGNORECASE)]
+
+
+def test_cli_uses_the_recipe_kernels_and_warns_at_most_once(ds_checkpoint, tmp_path):
+    # The shipped tiny_cpu recipe says torch: no fallback to announce, and DeepSpeed's accelerator guess is silenced.
+    plain = _run_with_recipe_kernels(ds_checkpoint, tmp_path / "torch", None)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert re.search(r"kernels torch \(.*recipe\.json\)", plain.stderr), plain.stderr[-3000:]
+    assert _warnings(plain.stderr) == [], plain.stderr[-3000:]
+    # A recipe saying auto on a CPU: one warning, not one per fused op, and the same numbers.
+    auto = _run_with_recipe_kernels(ds_checkpoint, tmp_path / "auto", "auto")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    warned = _warnings(auto.stderr)
+    assert len(warned) == 1 and "kernels 'auto'" in warned[0] and "recipe.json" in warned[0], auto.stderr[-3000:]
+    same_run = {"checkpoint"}  # two copies of one run: everything but the path agrees
+    assert {k: v for k, v in json.loads(auto.stdout).items() if k not in same_run} == \
+        {k: v for k, v in json.loads(plain.stdout).items() if k not in same_run}
+
+
+def test_cli_refuses_recipe_kernels_that_cannot_run_unless_overridden(ds_checkpoint, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # Triton then needs CUDA tensors
+    refused = _run_with_recipe_kernels(ds_checkpoint, tmp_path / "refused", "triton", env=env)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert re.search(r"^error: kernels='triton' \(.*recipe\.json\): .*pass --kernels torch$", refused.stderr,
+                     re.MULTILINE), refused.stderr[-3000:]
+    overridden = _run_with_recipe_kernels(ds_checkpoint, tmp_path / "overridden", "triton", "--kernels", "torch",
+                                          env=env)
+    assert overridden.returncode == 0, overridden.stderr[-3000:]
+    assert "kernels torch (--kernels)" in overridden.stderr

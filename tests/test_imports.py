@@ -42,7 +42,7 @@ DATA_STAGES = {
 create/reader -> loader. Modules of the same stage may import each other; none imports a later stage."""
 
 NO_DEEPSPEED = ["bert_ds.model", "bert_ds.data", "bert_ds.data.create", "bert_ds.data.loader", "bert_ds.export",
-                "bert_ds.checkpoint", "bert_ds.evaluate"]
+                "bert_ds.checkpoint", "bert_ds.evaluate", "bert_ds.finetune", "bert_ds.features"]
 
 
 def imported_modules(source: str, package: str) -> set[str]:

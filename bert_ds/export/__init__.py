@@ -8,6 +8,7 @@ from bert_ds.export.convert import (
     VERIFY_TEXT,
     CheckpointRef,
     VerificationError,
+    apply_umask,
     consolidate_checkpoint,
     convert_checkpoint,
     find_checkpoint,
@@ -25,7 +26,8 @@ from bert_ds.export.hf import (
 )
 from bert_ds.export.keymap import ExportError, from_hf_state_dict, key_map, to_hf_state_dict
 
-__all__ = ["VERIFY_ATOL", "VERIFY_TEXT", "CheckpointRef", "ExportError", "VerificationError", "bert_config_from_hf",
+__all__ = ["VERIFY_ATOL", "VERIFY_TEXT", "CheckpointRef", "ExportError", "VerificationError", "apply_umask",
+           "bert_config_from_hf",
            "consolidate_checkpoint", "convert_checkpoint", "export_model", "find_checkpoint", "from_hf_state_dict",
            "hf_config_dict", "key_map", "load_hf_pretrained", "load_training_tokenizer", "read_hf_state_dict",
            "to_hf_state_dict", "verify_export", "verify_tokenizer", "write_tokenizer"]

@@ -8,7 +8,10 @@ and the token ids of the tokenizer, against bert_ds's own model and tokenizer.
 
 from __future__ import annotations
 
+import argparse
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -21,7 +24,8 @@ from bert_ds.export.hf import HF_ARCHITECTURE, export_model, load_training_token
 from bert_ds.export.keymap import ExportError
 
 __all__ = ["VERIFY_ATOL", "VERIFY_TEXT", "VerificationError", "CheckpointRef", "find_checkpoint",
-           "consolidate_checkpoint", "verify_tokenizer", "verify_export", "convert_checkpoint"]
+           "consolidate_checkpoint", "verify_tokenizer", "verify_export", "apply_umask", "convert_checkpoint",
+           "main"]
 
 VERIFY_ATOL = 1e-4
 """Max abs logit difference allowed between bert_ds and the reloaded HF model (fp32, CPU)."""
@@ -133,12 +137,30 @@ def verify_export(hf_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
     return _verify_logits(hf_dir, state_dict, config, atol)
 
 
+def _current_umask() -> int:
+    # os.umask is the only portable way to read it, and it writes: set and restore at once (single-threaded here).
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: str | Path) -> None:
+    """Give ``root`` and everything in it the modes a plain ``mkdir`` / ``open`` would under the user's umask.
+    ``tempfile.mkdtemp`` creates 0700 and safetensors writes 0600 (safetensors 0.8), so without this nobody else on
+    a shared cluster could load an export or a fine-tuned model, whatever the umask said."""
+    root = Path(root)
+    mask = _current_umask()
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tag: str | None = None,
                        verify: bool = True) -> tuple[float, float] | None:
     """Export ``checkpoint_dir`` (tag ``latest`` unless given) to ``out_dir`` as an HF ``BertForPreTraining``.
 
     Everything is written into a temporary directory beside ``out_dir`` and renamed at the end, so a failure leaves
-    nothing half-written. Returns the verification's max abs (MLM, NSP) logit differences, or None if skipped."""
+    nothing half-written; the result has the modes the user's umask gives new files (022: 0755 / 0644). Returns the
+    verification's max abs (MLM, NSP) logit differences, or None if skipped."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir}: already exists and is not an empty directory; choose another --out")
@@ -149,6 +171,7 @@ def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tag: str
     try:
         export_model(state, ref.config, tmp, ref.tokenizer_dir, source=f"{ref.checkpoint_dir / ref.tag}")
         diffs = verify_export(tmp, state, ref.config, ref.tokenizer_dir) if verify else None
+        apply_umask(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above); rename cannot replace a directory
         tmp.rename(out_dir)
@@ -156,3 +179,31 @@ def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tag: str
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bert-ds-convert-checkpoint`` / ``tools/convert_checkpoint.py``. Exit codes: 0 ok, 1 the reloaded model or
+    tokenizer does not reproduce bert_ds's logits or token ids, 2 bad input."""
+    parser = argparse.ArgumentParser(prog="bert-ds-convert-checkpoint", description="Convert a bert_ds DeepSpeed "
+                                     "checkpoint to a verified Hugging Face BertForPreTraining directory.")
+    parser.add_argument("--checkpoint", required=True, help="DeepSpeed save dir, RUN_DIR/checkpoints (holds 'latest', "
+                        "tags, model_config.json, tokenizer/)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    parser.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip reloading the output with transformers and comparing logits and token ids")
+    args = parser.parse_args(argv)
+    try:
+        diffs = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, verify=args.verify)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except VerificationError as exc:
+        print(f"verification failed: {exc}", file=sys.stderr)
+        return 1
+    if diffs is None:
+        print(f"wrote {args.out} (not verified)")
+    else:
+        print(f"wrote {args.out}; verified against bert_ds: same token ids, max |MLM logit diff| {diffs[0]:.2e}, "
+              f"max |NSP logit diff| {diffs[1]:.2e}")
+    return 0

@@ -65,6 +65,8 @@ def resolve_backend(op: str, requested: str, device: torch.device) -> str:
         warn_fallback_once(op, f"bert_ds.kernels: backend 'auto' falls back to the torch implementation of {op}: "
                                f"{problem} (warned once per process)")
         return "torch"
-    warn_fallback_once(op, f"bert_ds.kernels: no Triton for {op} on {device.type} tensors; backend 'auto' "
-                           "falls back to the torch implementation (warned once per process)")
+    # One warning per device type, not per op: a CPU run uses all three ops and should say it once.
+    warn_fallback_once(device.type, f"bert_ds.kernels: no Triton on {device.type} tensors (first seen for {op}); "
+                                    "backend 'auto' falls back to the torch implementations of every fused op "
+                                    "(warned once per process)")
     return "torch"
