@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,20 +75,47 @@ def test_one_rank_cannot_write_its_partition(tmp_path, synthetic_data):
 def small_tmpfs(tmp_path):
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48M", "tmpfs", str(mnt)],
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96M", "tmpfs", str(mnt)],
                                                        capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root): the file-size-limit test covers the failure path")
     yield mnt
     subprocess.run(["umount", str(mnt)], check=True)
 
 
+def _resume_filling_the_disk(args: list[str], mnt: Path, leave_bytes: int) -> subprocess.CompletedProcess:
+    """Resume to step 2; once pre-flight has passed (the "resumed" log line), fill the filesystem up to
+    ``leave_bytes`` so that the step-2 save runs out of space mid-write (ENOSPC), as when another job fills it."""
+    cmd = [sys.executable, "-m", "bert_ds.pretrain", *args, "--resume", "auto", "--max-steps", "2",
+           "--tokenizer", str(Path(args[args.index("--data") + 1]).parent / "tokenizer")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr = []
+    for line in proc.stderr:
+        stderr.append(line)
+        if "resumed phase1-step000001" in line:
+            with open(mnt / "filler", "wb") as f:
+                f.write(b"\0" * max(0, shutil.disk_usage(mnt).free - leave_bytes))
+            break
+    stdout, rest = proc.communicate(timeout=HANG_GUARD_S)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, "".join(stderr) + rest)
+
+
 def test_full_filesystem(small_tmpfs, tmp_path, synthetic_data):
-    """One rank, ZeRO 2: the first checkpoint (~33 MB) fits in 48 MB, the second runs out of space mid-write."""
+    """One rank, ZeRO 2, a 96 MB tmpfs. Pre-flight refuses a run with no room for one more checkpoint (nothing
+    written); when the disk fills only after pre-flight, the save runs out of space mid-write and fails cleanly."""
     recipe, run = _recipe(tmp_path / "r.json"), small_tmpfs / "run"
     args = ["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(run)]
     run_pretrain([*args, "--max-steps", "1"])
-    used = shutil.disk_usage(small_tmpfs).used
+    (small_tmpfs / "ballast").write_bytes(b"\0" * (shutil.disk_usage(small_tmpfs).free - 8 * 2**20))
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
     proc = run_pretrain([*args, "--resume", "auto", "--max-steps", "2"], check=False)
+    assert proc.returncode == 2 and "free on its filesystem, but a checkpoint needs about" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # refused before compute
+    (small_tmpfs / "ballast").unlink()
+
+    used = shutil.disk_usage(small_tmpfs).used
+    proc = _resume_filling_the_disk(args, small_tmpfs, leave_bytes=4 * 2**20)
+    (small_tmpfs / "filler").unlink()
     _assert_failed_cleanly(proc, run, lines_expected=1)
     assert "RuntimeError" in proc.stderr or "OSError" in proc.stderr, proc.stderr[-3000:]
     assert shutil.disk_usage(small_tmpfs).used <= used + 2**20  # the partial tag no longer holds the disk
