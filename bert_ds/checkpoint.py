@@ -53,10 +53,8 @@ import pickle
 import random
 import re
 import shutil
-import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -478,22 +476,10 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
     ``tag`` (replacing an older one) and then moves ``latest``, so a crash at any point leaves ``latest`` naming a
     complete checkpoint. Older tags beyond ``keep_last_k`` (phase ends excepted) are pruned afterwards.
     """
-    with _sigchld_deferred():
+    from bert_ds.distributed import sigchld_deferred
+
+    with sigchld_deferred():
         return _save_checkpoint(engine, run_dir, tag, run_state, keep_last_k)
-
-
-@contextlib.contextmanager
-def _sigchld_deferred():
-    """Hold SIGCHLD while a checkpoint is written: a loader worker that dies meanwhile (its DataLoader raises from the
-    SIGCHLD handler) is reported right after the save, which then completes, instead of aborting it half-written."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep_last_k: int) -> Path:

@@ -7,11 +7,14 @@ Launch paths (README "Launching"): the ``deepspeed`` launcher (sets RANK/WORLD_S
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 
 __all__ = ["EXTENSION_LOCK_STALE_S", "extension_build_locks", "init_distributed", "launch_path", "prebuild_extensions",
-           "seed_everything", "wait_for_extension_builds"]
+           "release_shm_buffers", "seed_everything", "sigchld_deferred", "wait_for_extension_builds"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +173,42 @@ def init_distributed() -> tuple[int, int]:
     wait_for_extension_builds()  # DeepSpeed's backend builds its shm extension here on CPU, under a lock
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port)
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def sigchld_deferred():
+    """Hold SIGCHLD (main thread only) for the block: a loader worker that dies meanwhile (torch's DataLoader raises
+    from its SIGCHLD handler; bert_ds.data.loader turns that into LoaderWorkerError naming the shard) is reported
+    right after the block, which completes, e.g. a step's evaluation and checkpoint, instead of aborting it half-way.
+    Loaders used inside the block still notice a dead worker of their own by polling (torch checks on a timeout)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def release_shm_buffers() -> list[Path]:
+    """Unlink this rank's DeepSpeed CPU all-reduce buffers in /dev/shm (``deepspeed_allreduce_buffer_*_<addr>_<port>_
+    <local rank>``, created by the deepspeed_shm_comm extension on CPU). DeepSpeed 0.19 never unlinks them, so every
+    run leaks them into RAM-backed /dev/shm (measured: 335 segments, 22 GB after a day of test runs on 2 cores).
+    Unlinking at exit is safe: ranks that still map a segment keep it until they unmap it."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    shm = Path("/dev/shm")
+    if not addr or not port or not shm.is_dir():
+        return []
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    removed = []
+    for seg in shm.glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{local_rank}"):
+        try:
+            seg.unlink()
+            removed.append(seg)
+        except OSError:
+            continue
+    return removed
 
 
 def seed_everything(seed: int) -> None:

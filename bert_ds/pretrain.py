@@ -121,11 +121,14 @@ def run(plan: RunPlan) -> int:
 
 def train(args: argparse.Namespace) -> int:
     """Run (or resume) the phases ``args`` select; returns the exit code."""
-    from bert_ds.distributed import init_distributed
+    from bert_ds.distributed import init_distributed, release_shm_buffers
 
     recipe = load_recipe(args.recipe)
     rank, world_size = init_distributed()
-    return run(plan_run(args, recipe, rank, world_size))
+    try:
+        return run(plan_run(args, recipe, rank, world_size))
+    finally:
+        release_shm_buffers()
 
 
 def _error(message: str) -> None:

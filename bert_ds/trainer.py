@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bert_ds import checkpoint as ckpt
-from bert_ds.distributed import seed_everything
+from bert_ds.distributed import seed_everything, sigchld_deferred
 from bert_ds.preflight import RunPlan, StartPoint
 
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
@@ -366,9 +366,10 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
         ph.step += 1
         ph.consumed += phase.global_batch_size
         guard.check(rec, ph.step, ph.last_good, str(plan.ckpt_dir))
-        _log_step(plan, ph, rec, metrics)
-        done = _evaluate_and_maybe_stop(plan, ph, metrics, ph.step >= phase.steps)
-        code = _checkpoint_and_stop(plan, ph, rec, metrics, done)
+        with sigchld_deferred():  # a worker dying now is reported once this step's eval and checkpoint are done
+            _log_step(plan, ph, rec, metrics)
+            done = _evaluate_and_maybe_stop(plan, ph, metrics, ph.step >= phase.steps)
+            code = _checkpoint_and_stop(plan, ph, rec, metrics, done)
         if code is not None:
             return PhaseOutcome(exit_code=code, last_tag=ph.last_good)
         if done:

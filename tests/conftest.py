@@ -76,3 +76,20 @@ def read_shard_set(directory: Path) -> list[tuple[str, str, object]]:
 def shard_reader():
     """``read_shard_set``: a function reading every (shard, member, Sample) of a shard directory."""
     return read_shard_set
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_leaked_deepspeed_shm():
+    """Ranks the tests kill (-9, SIGTERM) cannot unlink DeepSpeed's CPU all-reduce buffers in /dev/shm, which is RAM:
+    remove the ones this session created, so a long suite does not fill memory (bert_ds.distributed.release_shm_buffers
+    does this for runs that end normally)."""
+    import time
+
+    start = time.time() - 1
+    yield
+    for seg in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        try:
+            if seg.stat().st_mtime >= start:
+                seg.unlink()
+        except OSError:
+            continue
