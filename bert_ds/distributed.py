@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["EXTENSION_LOCK_STALE_S", "extension_build_locks", "init_distributed", "launch_path", "prebuild_extensions",
-           "release_shm_buffers", "seed_everything", "sigchld_deferred", "wait_for_extension_builds"]
+__all__ = ["EXTENSION_LOCK_STALE_S", "check_master_addr", "extension_build_locks", "init_distributed", "launch_path",
+           "prebuild_extensions", "release_shm_buffers", "seed_everything", "sigchld_deferred",
+           "wait_for_extension_builds"]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,19 @@ def _env_single_process() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
+def check_master_addr(env: Mapping[str, str]) -> None:
+    """Refuse a MASTER_ADDR this host cannot resolve (a typo, a stale export, a Slurm node name from another cluster):
+    every rank would otherwise retry the rendezvous until its 30-minute timeout, printing only c10d warnings."""
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        return
+    try:
+        socket.getaddrinfo(addr, None)
+    except socket.gaierror as exc:
+        raise ValueError(f"MASTER_ADDR={addr!r} does not resolve on {socket.gethostname()} ({exc.strerror}); export "
+                         f"MASTER_ADDR as rank 0's hostname or IP address reachable from every node") from exc
+
+
 def init_distributed() -> tuple[int, int]:
     """Join the launcher's process group (or create a one-rank group); returns (rank, world size)."""
     import deepspeed
@@ -170,6 +184,8 @@ def init_distributed() -> tuple[int, int]:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     backend = "gloo" if cpu else accel.communication_backend_name()
+    if path != "mpirun":  # mpirun: DeepSpeed's discovery sets MASTER_ADDR to rank 0's own address
+        check_master_addr(os.environ)
     wait_for_extension_builds()  # DeepSpeed's backend builds its shm extension here on CPU, under a lock
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port)
     return dist.get_rank(), dist.get_world_size()

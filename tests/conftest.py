@@ -93,3 +93,21 @@ def _release_leaked_deepspeed_shm():
                 seg.unlink()
         except OSError:
             continue
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_variables_leak():
+    """A test that leaves RANK, MASTER_ADDR, ... in this process's environment fails here, naming them: every process
+    a later test starts would inherit them (tests.helpers.child_env drops them too, as a second line)."""
+    from tests.helpers import LAUNCHER_VARS
+
+    before = {var: os.environ.get(var) for var in LAUNCHER_VARS}
+    yield
+    after = {var: os.environ.get(var) for var in LAUNCHER_VARS}
+    leaked = {var: value for var, value in after.items() if value != before[var]}
+    for var, value in before.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    assert not leaked, f"the test changed launcher variables in the test process's environment: {leaked}"

@@ -1,6 +1,8 @@
 """Shared test helpers, imported as ``tests.helpers.<module>`` (pyproject's ``pythonpath = ["."]`` puts the repository
 root on ``sys.path``). Nothing here is a test; ``conftest.py`` files only hold fixtures."""
 
+import os
+
 HANG_GUARD_S = 1800
 """Timeout for a subprocess a test starts: a guard against a hang (a stuck launcher, a lock left by a killed
 DeepSpeed extension build), never a speed check. Generous so the suite passes on a loaded 2-core machine."""
@@ -13,3 +15,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "CROSS_RANK", "CROSS_SIZE")
+"""What a launcher hands its ranks. A process started by a test must not inherit them from the test process (a job
+that inherits RANK=9 WORLD_SIZE=16 MASTER_ADDR=gpu01 waits for its peers for the full rendezvous timeout)."""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a process a test starts: this process's, without launcher variables (``LAUNCHER_VARS``)
+    and Slurm/Open MPI job variables, with PYTHONPATH on the checkout, one thread per rank, and ``extra``."""
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMIX_"))}
+    return {**env, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1", **extra}

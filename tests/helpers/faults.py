@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers import HANG_GUARD_S, free_port
+from tests.helpers import HANG_GUARD_S, child_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -198,7 +198,7 @@ def _reap_survivors(seen: dict[int, psutil.Process]) -> list[str]:
 def execute(launch: Launch, timeout: float = HANG_GUARD_S) -> Outcome:
     """Run ``launch`` to its exit, firing its trigger on the way; every process of its tree is watched so that a
     survivor of the exit is reported (and killed)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **launch.env}
+    env = child_env(**launch.env)
     start = time.monotonic()
     proc = subprocess.Popen(launch.cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", preexec_fn=launch.preexec)

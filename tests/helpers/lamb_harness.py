@@ -5,7 +5,6 @@ and ``lamb_engine_worker`` (bert_ds's engine on real text)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tests.helpers import HANG_GUARD_S
+from tests.helpers import HANG_GUARD_S, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ZERO_WORKER = "tests.helpers.lamb_zero_worker"
@@ -159,7 +158,7 @@ def run_ranks(world_size: int, out_dir: Path, module: str, args: list[str]) -> N
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below

@@ -4,7 +4,6 @@ and comparing the weights of two runs."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import HANG_GUARD_S, free_port
+from tests.helpers import HANG_GUARD_S, child_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -55,7 +54,7 @@ def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S
         synthetic_tokenizer = Path(args[args.index("--data") + 1]).parent / "tokenizer"
         if synthetic_tokenizer.is_dir():
             args = [*args, "--tokenizer", str(synthetic_tokenizer)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     if nprocs == 1:
         cmd = [sys.executable, "-m", "bert_ds.pretrain", *args]
     else:
@@ -72,7 +71,7 @@ def run_until_signalled(recipe: Path, data: tuple[Path, Path], run: Path, sig: i
                         ) -> tuple[int, list[str]]:
     """Start ``python -m bert_ds.pretrain`` on ``data``, send ``sig`` once it logs step 1, and return its exit code
     and console lines."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(recipe), "--data",
                              *map(str, data), "--tokenizer", str(data[0].parent / "tokenizer"),
                              "--output", str(run)], cwd=REPO, env=env,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from bert_ds.launch import (
     slurm_master_port,
     write_hostfile,
 )
+from tests.helpers import HANG_GUARD_S, LAUNCHER_VARS, child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,8 +114,9 @@ def test_launch_path(env, path):
 
 
 def test_srun_environment_maps_to_torch_variables(monkeypatch):
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
+    # _env_from_slurm writes os.environ: give it a copy (monkeypatch.delenv of an unset variable restores nothing, and
+    # a leaked MASTER_ADDR=gpu01 made later launch tests wait for an unresolvable host).
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS})
     seen = []
     monkeypatch.setattr("bert_ds.launch.slurm_hostnames", lambda nodelist: seen.append(nodelist) or ["gpu01", "gpu02"])
     for var, value in {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
@@ -148,3 +151,20 @@ def test_pretrain_scripts_take_sizes_from_the_allocation(script, tmp_path):
 def test_create_shards_script_needs_a_slurm_job():
     proc = _run_script("create_shards.sh", REPO)
     assert proc.returncode == 2 and "submit this with sbatch" in proc.stderr
+
+
+def test_unresolvable_master_addr_is_refused_at_once(tmp_path):
+    """A rank told MASTER_ADDR=a host that does not resolve exits 2 naming it, instead of retrying the rendezvous for
+    30 minutes (what a stale export or a leaked test variable did)."""
+    with pytest.raises(ValueError, match=r"MASTER_ADDR='gpu01\.invalid' does not resolve"):
+        distributed.check_master_addr({"MASTER_ADDR": "gpu01.invalid"})
+    distributed.check_master_addr({"MASTER_ADDR": "127.0.0.1"})
+    distributed.check_master_addr({})
+    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="gpu01.invalid", MASTER_PORT="29511")
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(REPO / "ds_configs" /
+                           "tiny_cpu.json"), "--data", str(tmp_path), str(tmp_path), "--tokenizer", str(tmp_path),
+                           "--output", str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "bert_ds.pretrain: error: MASTER_ADDR='gpu01.invalid' does not resolve" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from bert_ds.launch import hosts_from_list, write_hostfile
-from tests.helpers import HANG_GUARD_S, free_port
+from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.runs import REPO, SMALL_RECIPE, VENV_BIN, run_pretrain, weights, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ class Case:
 
 def _env(**extra: str) -> dict[str, str]:
     # One thread per rank on every path: the thread count changes the order of float sums inside matmuls.
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    return child_env(**extra)
 
 
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:
