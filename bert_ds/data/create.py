@@ -18,7 +18,8 @@ longer BERT-layout documents cut), so a chunk exceeds its size by at most one su
 
 Bad input (each a ``ValueError``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
 inputs; no chunk with two usable documents; invalid UTF-8 (file, line, byte offset); a JSON line without a string
-``text``; a tokenizer directory without ``vocab.txt``; a ``seq_len`` below 5 (``[CLS] A [SEP] B [SEP]`` with one
+``text``; malformed WikiExtractor or Parquet input (``text``'s module docstring; a file that fits no format is refused
+before any work); a tokenizer directory without ``vocab.txt``; a ``seq_len`` below 5 (``[CLS] A [SEP] B [SEP]`` with one
 token each) or above 65535; an output directory that already holds a shard set, the same or a different one (pass
 ``overwrite=True`` / ``--overwrite``; leftovers of an unfinished run, shards without an index, are simply replaced).
 Counted skips, in ``index.json`` ``extra.skipped``: documents with fewer than two sentences (see ``pairs``),
@@ -37,7 +38,7 @@ import multiprocessing
 import os
 import random
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,9 @@ from bert_ds.data.text import (
     add_input_args,
     add_limit_args,
     describe_inputs,
+    detect_format,
     drop_long_sentences,
+    input_bytes,
     input_files,
     iter_documents,
     sentence_splitter_name,
@@ -99,6 +102,8 @@ class CreateParams:
     seed: int
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
     max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS
+    input_format: str = "auto"
+    """``text.INPUT_FORMATS``: how the reader reads the inputs (workers get documents, never files)."""
 
     @property
     def limits(self) -> TextLimits:
@@ -114,17 +119,19 @@ class ChunkResult:
 
 
 def iter_chunks(files: Sequence[Path], chunk_bytes: int, limits: TextLimits | None = None,
-                skipped: SkipCounts | None = None) -> Iterator[tuple[int, list[RawDocument], int]]:
+                skipped: SkipCounts | None = None, input_format: str = "auto"
+                ) -> Iterator[tuple[int, list[RawDocument], int]]:
     """Cut the document stream into ``(chunk index, documents, bytes)``; the cut depends on the text alone.
 
     A chunk closes once it holds ``chunk_bytes`` bytes of input and at least two documents that may pair; a tail with
     less than half of that, or without two such documents, joins the chunk before it. Empty documents are dropped;
-    text over ``limits`` is left out or cut and counted in ``skipped`` (``text.iter_documents``)."""
+    text over ``limits`` is left out or cut and counted in ``skipped``; each file is read in its ``input_format``
+    (``text.iter_documents``)."""
     pending: tuple[list[RawDocument], int] | None = None
     docs: list[RawDocument] = []
     nbytes = usable = 0
     index = 0
-    for doc, size in iter_documents(files, limits, skipped):
+    for doc, size in iter_documents(files, limits, skipped, input_format):
         nbytes += size
         if not doc:
             continue
@@ -311,7 +318,7 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
         progress.set_postfix({"samples" if size == 1 else "rank 0 samples": samples}, refresh=False)
 
     if workers == 1:
-        for index, docs, nbytes in iter_chunks(files, chunk_bytes, params.limits, read_skipped):
+        for index, docs, nbytes in iter_chunks(files, chunk_bytes, params.limits, read_skipped, params.input_format):
             if index % size == rank:
                 written.extend(Path(params.out_dir) / shard_name(shard_index(index, d, params.dupe_factor))
                                for d in range(params.dupe_factor))
@@ -321,7 +328,7 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
     ctx = multiprocessing.get_context("spawn")  # no fork: the tokenizer's threads and MPI do not survive a fork
     with ctx.Pool(workers, initializer=_init_worker) as pool:
         in_flight: deque = deque()
-        for index, docs, nbytes in iter_chunks(files, chunk_bytes, params.limits, read_skipped):
+        for index, docs, nbytes in iter_chunks(files, chunk_bytes, params.limits, read_skipped, params.input_format):
             if index % size == rank:
                 written.extend(Path(params.out_dir) / shard_name(shard_index(index, d, params.dupe_factor))
                                for d in range(params.dupe_factor))
@@ -384,7 +391,7 @@ def _create_all_chunks(files: list[Path], params: CreateParams, chunk_bytes: int
     each counts the same); on a failure anywhere, this rank's shards are removed and the error raised on every rank."""
     from tqdm import tqdm
 
-    total_bytes = sum(f.stat().st_size for f in files)
+    total_bytes = sum(input_bytes(f, params.input_format) for f in files)
     written: list[Path] = []
     results: list[ChunkResult] = []
     read_skipped = SkipCounts()
@@ -465,12 +472,13 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
                   masked_lm_prob: float = 0.15, whole_word_mask: bool = False, seed: int = 12345, workers: int = 1,
                   samples_per_shard: int = 10000, overwrite: bool = False, progress: bool | None = None,
                   max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
-                  max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS) -> ShardIndex:
+                  max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS, input_format: str = "auto") -> ShardIndex:
     """Create a statically masked NSP shard set from raw text (see the module docstring); returns its index.
 
     ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal). ``max_document_bytes`` and
     ``max_sentence_chars``: longer lines and sentences are skipped and counted, longer BERT-layout documents cut
-    (``text.TextLimits``)."""
+    (``text.TextLimits``). ``input_format``: ``text.INPUT_FORMATS``, ``auto`` detecting each file's; the formats
+    read are counted in ``index.json`` ``extra.input_formats``."""
     if max_predictions is None and isinstance(seq_len, int) and seq_len >= 5:
         max_predictions = default_max_predictions(seq_len)
     _check_create_args(seq_len, max_predictions, dupe_factor, short_seq_prob, masked_lm_prob, seed, workers,
@@ -478,9 +486,10 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
     TextLimits(max_document_bytes, max_sentence_chars)  # refuses a bad limit, naming it, before any work
     tok = load_tokenizer(tokenizer_dir)  # fails early, naming the directory, when vocab.txt is missing
     files = input_files(inputs)
+    formats = Counter(detect_format(f, input_format) for f in files)  # a file no format fits fails before any work
     out = Path(out_dir)
     params = CreateParams(str(Path(tokenizer_dir)), str(out), seq_len, max_predictions, dupe_factor, short_seq_prob,
-                          masked_lm_prob, whole_word_mask, seed, max_document_bytes, max_sentence_chars)
+                          masked_lm_prob, whole_word_mask, seed, max_document_bytes, max_sentence_chars, input_format)
     # A chunk makes dupe_factor shards, each one pass over the chunk: size it for one shard's samples.
     chunk_bytes = max(1, round(samples_per_shard * _TOKENS_PER_SAMPLE_FILL * seq_len * _BYTES_PER_TOKEN))
 
@@ -491,6 +500,7 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
         all_results, read_skipped = _create_all_chunks(files, params, chunk_bytes, workers, comm, rank, size,
                                                        progress)
         index = _shard_index(all_results, read_skipped, files, tok, params, tokenizer_dir, chunk_bytes)
+        index.extra.update(input_format=input_format, input_formats=dict(sorted(formats.items())))
     except BaseException:
         for directory in reversed(made):  # the failed run's shards are gone: leave no empty --out behind either
             with contextlib.suppress(OSError):
@@ -531,13 +541,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         files = input_files(args.input, args.input_pattern)
         if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
-            print(describe_inputs(files), flush=True)
+            print(describe_inputs(files, input_format=args.input_format), flush=True)
         index = create_shards(files, args.tokenizer, args.out, seq_len=args.seq_len,
                               max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
                               short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
                               whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,
                               samples_per_shard=args.samples_per_shard, overwrite=args.overwrite,
-                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars)
+                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
+                              input_format=args.input_format)
     except (ValueError, OSError) as exc:  # bad input or an unusable output: one line naming it, no traceback
         print(f"bert-ds-create-shards: error: {exc}", file=sys.stderr)
         sys.exit(2)

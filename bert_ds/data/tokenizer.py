@@ -41,6 +41,7 @@ from bert_ds.data.text import (
     add_input_args,
     add_limit_args,
     describe_inputs,
+    detect_format,
     input_files,
     iter_training_texts,
 )
@@ -270,8 +271,10 @@ def _bert_pipeline(vocab: dict[str, int] | str | None, lowercase: bool) -> BertW
 def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_size: int = 30522, cased: bool = False,
                     *, min_frequency: int = 2, limit_alphabet: int = 1000,
                     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
-                    max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS, overwrite: bool = False) -> Path:
-    """Train a BERT WordPiece vocabulary on text files or directories (BERT layout or JSON lines, see ``text``).
+                    max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS, overwrite: bool = False,
+                    input_format: str = "auto") -> Path:
+    """Train a BERT WordPiece vocabulary on text files or directories, in any of ``text.INPUT_FORMATS`` (``auto``
+    detects each file's: BERT layout, JSON lines, WikiExtractor output, Parquet).
 
     Writes ``vocab.txt``, ``tokenizer.json`` and ``tokenizer_meta.json`` (the casing, the ``text.TextLimits`` and
     what they skipped) into ``out_dir`` and returns ``out_dir``. The files are written into a new directory beside
@@ -282,6 +285,8 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
         raise ValueError(f"vocab_size={vocab_size} is too small (needs room beyond {len(SPECIAL_TOKENS)} specials)")
     limits = TextLimits(max_document_bytes, max_sentence_chars)
     files = input_files(inputs)
+    for path in files:  # a file no format fits fails here, not inside the trainer
+        detect_format(path, input_format)
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
     skipped = SkipCounts()
@@ -289,7 +294,7 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
 
     def texts() -> Iterator[str]:
         nonlocal fed
-        for text in iter_training_texts(files, limits, skipped):
+        for text in iter_training_texts(files, limits, skipped, input_format):
             if text.strip():
                 fed += 1
                 yield text
@@ -403,10 +408,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         files = input_files(args.input, args.input_pattern)
-        print(describe_inputs(files), flush=True)
+        print(describe_inputs(files, input_format=args.input_format), flush=True)
         out = train_tokenizer(files, args.out, vocab_size=args.vocab_size, cased=args.cased,
                               max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, input_format=args.input_format)
     except (ValueError, OSError) as exc:  # bad input or an unusable --out: one line naming it, no traceback
         print(f"bert-ds-train-tokenizer: error: {exc}", file=sys.stderr)
         sys.exit(2)
