@@ -10,6 +10,8 @@ TORCH_VERSION ?= 2.13.0
 $(VENV)/.installed: setup.cfg pyproject.toml
 	# Each step runs only when what it installs is missing, so an environment built by hand (README "Install") is
 	# reused, not rebuilt; pip itself skips requirements that are already satisfied.
+	# Debian packages (venv, compiler, Open MPI), each only when missing: as root directly, as a user with sudo.
+	tools/system_packages.sh
 	test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PIP) install --upgrade pip wheel setuptools; }
 	# torch first: on this CPU machine the pin resolves to the CPU build on disk, on a GPU cluster to CUDA.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==$(TORCH_VERSION)

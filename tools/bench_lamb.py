@@ -187,6 +187,10 @@ def overhead_rank(preset: str, steps: int) -> None:
               f"({2 * (results['n_tensors'] + 1) * 4} bytes)")
 
 
+RANK_ENV = "BERT_DS_BENCH_LAMB_RANK"
+"""Set in the environment of the ranks ``overhead`` starts (this file again): they time, the parent only waits."""
+
+
 def overhead(preset: str, steps: int, world_size: int) -> None:
     import socket
 
@@ -196,8 +200,9 @@ def overhead(preset: str, steps: int, world_size: int) -> None:
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, __file__, "_rank", f"--preset={preset}", f"--steps={steps}"],
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   **{RANK_ENV: "1"})
+        procs.append(subprocess.Popen([sys.executable, __file__, "overhead", f"--preset={preset}", f"--steps={steps}"],
                                       env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -210,19 +215,17 @@ def main(argv: list[str] | None = None) -> None:
     sb = sub.add_parser("state-bytes", help="ZeRO-2 optimizer state bytes per rank")
     sb.add_argument("--presets", default="tiny,base")
     sb.add_argument("--world-sizes", default="1,2,4")
-    for name in ("overhead", "_rank"):
-        p = sub.add_parser(name, help="time the per-tensor norm reduction on CPU ranks" if name == "overhead" else None)
-        p.add_argument("--preset", default="tiny", choices=["tiny", "base", "large"])
-        p.add_argument("--steps", type=int, default=10)
-        if name == "overhead":
-            p.add_argument("--world-size", type=int, default=2)
+    p = sub.add_parser("overhead", help="time the per-tensor norm reduction on CPU ranks")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "base", "large"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--world-size", type=int, default=2)
     args = ap.parse_args(argv)
     if args.cmd == "state-bytes":
         state_bytes(args.presets.split(","), [int(w) for w in args.world_sizes.split(",")])
-    elif args.cmd == "overhead":
-        overhead(args.preset, args.steps, args.world_size)
-    else:
+    elif os.environ.get(RANK_ENV):  # one of the ranks `overhead` starts
         overhead_rank(args.preset, args.steps)
+    else:
+        overhead(args.preset, args.steps, args.world_size)
 
 
 if __name__ == "__main__":
