@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test test-fast lint bench clean
+.PHONY: venv demo test test-fast lint bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	# Each step runs only when what it installs is missing, so an environment built by hand (README "Install") is
@@ -26,6 +26,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# README command one: corpus -> tokenizer -> shards -> both phases on 2 CPU ranks -> export -> fill-mask -> plot.
+demo: venv
+	$(PY) tools/demo.py --out demo_run
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -1,0 +1,100 @@
+"""The demo (``make demo``): its pieces on their own, and ``tools/demo.py --quick`` end to end, twice."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bert_ds.demo import MARKER, DemoSettings, NotDemoDirectory, demo_recipe, run_demo, split_corpus
+from bert_ds.recipe import Recipe
+from tests.helpers import HANG_GUARD_S
+from tests.helpers.runs import REPO
+
+DEMO = REPO / "tools" / "demo.py"
+SCORE_LINE = re.compile(r"held-out masked-LM accuracy of the export \((seq \d+)\): ([\d.]+)% of (\d+) masked "
+                        r"positions vs unigram baseline ([\d.]+)% \(always '(.+)'\): ([\d.]+)x\n"
+                        r" +at the (\d+) \[MASK\] positions alone: ([\d.]+)% vs ([\d.]+)% \(always '(.+)'\): "
+                        r"([\d.]+)x")
+
+
+def test_split_corpus_holds_out_whole_documents(tmp_path):
+    docs = [[f"Document {d} sentence {s}." for s in range(3)] for d in range(25)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join("\n".join(doc) for doc in docs) + "\n\n")
+    n_train, n_held = split_corpus(corpus, tmp_path / "train.txt", tmp_path / "heldout.txt", every=10)
+    assert (n_train, n_held) == (23, 2)  # every tenth document from the sixth: indices 5 and 15
+    held = (tmp_path / "heldout.txt").read_text().split("\n\n")
+    train = (tmp_path / "train.txt").read_text()
+    assert [block.splitlines() for block in held if block.strip()] == [docs[5], docs[15]]
+    assert not any(f"Document {d} " in train for d in (5, 15))
+    assert all(f"Document {d} sentence 2." in train for d in range(25) if d % 10 != 5)
+
+
+def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(NotDemoDirectory, match=re.escape(f"{tmp_path} holds files the demo did not write")):
+        run_demo(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]  # nothing written, nothing removed
+    done = subprocess.run([sys.executable, str(DEMO), "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert done.returncode == 2 and "did not write" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_demo_recipe_is_valid_and_quick_is_shorter(quick):
+    data = demo_recipe(quick)
+    recipe = Recipe.from_dict(data, source="demo_cpu")
+    assert recipe.optimizer.name == "lamb" and recipe.deepspeed.zero_stage == 2
+    assert [p.seq_len for p in recipe.phases] == [128, 512]
+    full = Recipe.from_dict(demo_recipe(False))
+    steps = [p.steps for p in recipe.phases]
+    assert (steps < [p.steps for p in full.phases]) == quick and all(s > 0 for s in steps)
+    # Dropout as shipped: the demo trains the model users get, not a dropout-free variant.
+    config = recipe.model_config(vocab_size=DemoSettings().vocab_size)
+    assert config.hidden_dropout_prob == 0.1 and config.attention_probs_dropout_prob == 0.1
+
+
+def _run_demo(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(DEMO), "--quick", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=HANG_GUARD_S)
+
+
+@pytest.mark.slow
+def test_quick_demo_end_to_end_and_again(tmp_path):
+    out = tmp_path / "demo"
+    first = _run_demo(out)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    scores = {m[1]: m for m in SCORE_LINE.finditer(first.stdout)}
+    assert set(scores) == {"seq 128", "seq 512"}, first.stdout[-4000:]
+    # 40 steps learn next to nothing (the full recipe's figures are in the README, measured by `make demo`); here
+    # the numbers must be well formed and consistent: English-like baselines, 80% of the chosen positions at [MASK].
+    for m in scores.values():
+        accuracy, positions, baseline, ratio = float(m[2]), int(m[3]), float(m[4]), float(m[6])
+        mask_positions, mask_accuracy, mask_baseline, mask_ratio = int(m[7]), float(m[8]), float(m[9]), float(m[11])
+        assert positions > 3000 and 2 < baseline < 15 and 0 <= accuracy <= 100, m[0]
+        assert 0.75 < mask_positions / positions < 0.85 and 2 < mask_baseline < 15 and 0 <= mask_accuracy <= 100, m[0]
+        assert abs(ratio - accuracy / baseline) < 0.02 and abs(mask_ratio - mask_accuracy / mask_baseline) < 0.02
+    examples = re.findall(r"^\s+\[(\w+)\] -> (.+)$", first.stdout, flags=re.M)
+    assert len(examples) >= 4, first.stdout[-3000:]
+    assert all(len(top.split(" | ")) == 3 for _, top in examples)
+    for line in ("plot: ", "export: ", "run: ", "training log: "):
+        assert line in first.stdout
+    png = out / "curves.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 40_000
+    assert (out / MARKER).is_file() and (out / "train.log").stat().st_size > 0
+
+    from transformers import pipeline
+
+    fill = pipeline("fill-mask", model=str(out / "export"), device=-1, top_k=2)
+    assert len(fill("This program is free [MASK] .")) == 2
+
+    second = _run_demo(out)
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    assert f"reusing {out / 'data'}/" in second.stdout
+    assert f"replacing the previous run {out / 'run'}" in second.stdout
+    assert f"replacing the previous export {out / 'export'}" in second.stdout
+    assert png.stat().st_size > 40_000

@@ -1,0 +1,66 @@
+"""tools/plot_run.py on the event files of a real two-phase run (one process, real English shards, eval data)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import HANG_GUARD_S
+from tests.helpers.runs import REPO, run_pretrain, write_recipe
+
+TOOL = REPO / "tools" / "plot_run.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("plot_run", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def short_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    """SMALL_RECIPE (4 + 2 steps, a point per step) with held-out eval at each phase end."""
+    tmp = tmp_path_factory.mktemp("plot_run")
+    recipe = write_recipe(tmp / "recipe.json")
+    run = tmp / "run"
+    run_pretrain(["--recipe", str(recipe), "--data", str(shards_128), str(shards_512), "--tokenizer",
+                  str(tokenizer_dir), "--eval-data", str(shards_128), str(shards_512), "--output", str(run)])
+    return run
+
+
+def test_plot_run_draws_every_logged_curve_and_marks_both_phases(short_run, tmp_path):
+    plot_run = _load_tool()
+    result = plot_run.plot_run(short_run, tmp_path / "curves.png")
+    assert result.path == tmp_path / "curves.png"
+    data = result.path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 40_000, len(data)  # six panels of curves, not a blank
+
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(result.path).shape
+    assert (width, height) == (1650, 935)  # 15 x 8.5 inches at 110 dpi
+    expected = {"train/loss", "train/mlm_loss", "train/nsp_loss", "train/mlm_accuracy", "train/nsp_accuracy",
+                "train/lr", "train/grad_norm", "perf/tokens_per_s", "eval/mlm_loss", "eval/mlm_accuracy",
+                "eval/nsp_accuracy"}
+    assert set(result.tags) == expected and result.missing == []
+    # Phase 1 is steps 1-4; phase 2 begins after step 4, its first point is step 5.
+    assert result.phases == [(0, "phase 1: seq 128"), (4, "phase 2: seq 512")]
+
+
+def test_plot_run_cli_default_output_and_missing_events(short_run, tmp_path):
+    done = subprocess.run([sys.executable, str(TOOL), str(short_run)], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stderr
+    assert (short_run / "curves.png").stat().st_size > 40_000
+    assert done.stdout.startswith(f"wrote {short_run / 'curves.png'}: 11 curves")
+
+    empty = subprocess.run([sys.executable, str(TOOL), str(tmp_path)], capture_output=True, text=True,
+                           timeout=HANG_GUARD_S)
+    assert empty.returncode == 2
+    assert f"{tmp_path}: no TensorBoard event files" in empty.stderr and "Traceback" not in empty.stderr
