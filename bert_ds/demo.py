@@ -6,18 +6,22 @@ Steps, each printed as it starts:
    ``/usr/share/common-licenses`` and the Python standard library's docstrings), split by document into training
    text and held-out text (every tenth document), so no held-out sentence is ever trained on;
 2. a WordPiece tokenizer trained on the training text;
-3. seq-128 and seq-512 training shards and held-out eval shards (tqdm bars);
-4. both phases of ``ds_configs/demo_cpu.json`` (ZeRO-2, LAMB) on 2 CPU ranks with the ``deepspeed`` launcher, one
-   console line per log interval, evaluating on the held-out shards;
-5. the Hugging Face export (``bert_ds.export``, verified against bert_ds's logits);
-6. the exported model's held-out masked-LM accuracy computed with transformers, next to the unigram baseline (always
+3. seq-32 warm-up shards, seq-128 and seq-512 training shards and held-out eval shards (tqdm bars);
+4. a sequence-length warm-up (``ds_configs/demo_warmup_cpu.json``: one phase at seq 32) and its export (see
+   :func:`_pretrain` for why);
+5. both phases of ``ds_configs/demo_cpu.json`` (ZeRO-2, LAMB) on 2 CPU ranks with the ``deepspeed`` launcher, started
+   from the warm-up's weights (``--init-from-hf``), one console line per log interval, evaluating on the held-out
+   shards;
+6. the Hugging Face export (``bert_ds.export``, verified against bert_ds's logits);
+7. the exported model's held-out masked-LM accuracy computed with transformers, next to the unigram baseline (always
    answering the most frequent masked token of the same positions), overall and at [MASK] positions alone (see
    :class:`Score`), and ``pipeline("fill-mask")`` on held-out sentences;
-7. the curves (``tools/plot_run.py``).
+8. the curves (``tools/plot_run.py``).
 
 Output directory (default ``demo_run/``): ``data/`` (corpus, tokenizer, shards and ``inputs.json``, what they were
-made from) is reused when a later run would make the same data and rebuilt otherwise; ``run/``, ``export/``,
-``curves.png`` and ``train.log`` are replaced by every run. A directory the demo did not make is never touched.
+made from) is reused when a later run would make the same data and rebuilt otherwise; ``warmup_run/``,
+``warmup_export/``, ``run/``, ``export/``, ``curves.png`` and ``train.log`` are replaced by every run. A directory the
+demo did not make is never touched.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ __all__ = ["DEMO_RECIPE", "DemoError", "DemoSettings", "Score", "demo_recipe", "
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = REPO / "ds_configs" / "demo_cpu.json"
+WARMUP_RECIPE = REPO / "ds_configs" / "demo_warmup_cpu.json"
 PLOT_TOOL = REPO / "tools" / "plot_run.py"
 MARKER = ".bert_ds_demo"
 """Written into the output directory: the demo replaces outputs only inside a directory that holds it."""
@@ -73,6 +78,9 @@ class DemoSettings:
     dupe_factor_512: int = 2
     dupe_factor_eval: int = 2
     """Two masked copies of the held-out text: ~8,000 masked positions per eval set at either length."""
+    warmup_seq_len: int = 32
+    dupe_factor_warmup: int = 5
+    """The sequence-length warm-up's shards (``ds_configs/demo_warmup_cpu.json``; see :func:`run_demo`)."""
     seed: int = 1234
     samples_per_shard: int = 2000
 
@@ -139,10 +147,9 @@ def _own_dir(out: Path) -> None:
 
 
 def _data_dirs(data: Path) -> dict[str, Path]:
+    shards = {name: data / "shards" / name for name in ("warmup", "train128", "train512", "eval128", "eval512")}
     return {"train": data / "corpus" / "train.txt", "heldout": data / "corpus" / "heldout.txt",
-            "tokenizer": data / "tokenizer", "train128": data / "shards" / "train128",
-            "train512": data / "shards" / "train512", "eval128": data / "shards" / "eval128",
-            "eval512": data / "shards" / "eval512"}
+            "tokenizer": data / "tokenizer", **shards}
 
 
 def _data_inputs(settings: DemoSettings) -> tuple[dict, Path]:
@@ -160,7 +167,7 @@ def _data_inputs(settings: DemoSettings) -> tuple[dict, Path]:
 def _data_complete(dirs: dict[str, Path]) -> bool:
     from bert_ds.data.index import INDEX_NAME
 
-    shards = [dirs[k] / INDEX_NAME for k in ("train128", "train512", "eval128", "eval512")]
+    shards = [dirs[k] / INDEX_NAME for k in ("warmup", "train128", "train512", "eval128", "eval512")]
     return all(p.is_file() for p in [dirs["train"], dirs["heldout"], dirs["tokenizer"] / "vocab.txt", *shards])
 
 
@@ -194,11 +201,13 @@ def _build_data(dirs: dict[str, Path], settings: DemoSettings) -> None:
     from bert_ds.data.create import create_shards
     from bert_ds.data.tokenizer import train_tokenizer
 
-    _say(f"==> [2/7] WordPiece tokenizer ({settings.vocab_size} tokens, uncased) on the training text")
+    _say(f"==> [2/8] WordPiece tokenizer ({settings.vocab_size} tokens, uncased) on the training text")
     train_tokenizer([dirs["train"]], dirs["tokenizer"], vocab_size=settings.vocab_size)
     _say(f"    -> {dirs['tokenizer']}/vocab.txt")
-    _say("==> [3/7] shards: seq 128 and 512, training text and held-out text (static 15% masking, NSP pairs)")
-    plan = [("train128", "train", 128, settings.dupe_factor_128), ("train512", "train", 512, settings.dupe_factor_512),
+    _say(f"==> [3/8] shards: seq {settings.warmup_seq_len} (warm-up), 128 and 512 of the training text, 128 and 512 "
+         f"of the held-out text (static 15% masking, NSP pairs)")
+    plan = [("warmup", "train", settings.warmup_seq_len, settings.dupe_factor_warmup),
+            ("train128", "train", 128, settings.dupe_factor_128), ("train512", "train", 512, settings.dupe_factor_512),
             ("eval128", "heldout", 128, settings.dupe_factor_eval), ("eval512", "heldout", 512,
                                                                       settings.dupe_factor_eval)]
     for name, text, seq_len, dupe in plan:
@@ -208,16 +217,16 @@ def _build_data(dirs: dict[str, Path], settings: DemoSettings) -> None:
         _say(f"    {name}: {index.total_samples} samples in {len(index.shards)} shards -> {dirs[name]}/")
 
 
-def demo_recipe(quick: bool) -> dict:
-    """``ds_configs/demo_cpu.json``; ``quick`` cuts phase 1 to 40 steps and phase 2 to 4: a test-sized run of every
-    step, too short to learn."""
-    recipe = json.loads(DEMO_RECIPE.read_text())
+def demo_recipe(quick: bool, path: Path = DEMO_RECIPE) -> dict:
+    """A demo recipe (``ds_configs/demo_cpu.json`` or ``demo_warmup_cpu.json``); ``quick`` cuts every phase to 6 steps
+    (the warm-up to 10): a test-sized run of every step, too short to learn."""
+    recipe = json.loads(path.read_text())
     if quick:
         recipe["name"] = recipe["name"] + "_quick"
-        for phase, steps in zip(recipe["phases"], (40, 4), strict=True):
-            phase["steps"] = steps
+        for phase in recipe["phases"]:
+            phase["steps"] = 10 if len(recipe["phases"]) == 1 else 6
             phase["eval_interval"] = 0  # evaluate at the phase end only
-        recipe["logging"]["interval"] = 10
+        recipe["logging"]["interval"] = 5
     return recipe
 
 
@@ -227,14 +236,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_command(recipe: Path, dirs: dict[str, Path], run: Path) -> list[str]:
+def _train_command(recipe: Path, data: list[Path], eval_data: list[Path], tokenizer: Path, run: Path,
+                   extra: tuple[str, ...] = ()) -> list[str]:
     launcher = Path(sys.executable).parent / "deepspeed"
     if not launcher.is_file():
         raise DemoError(f"{launcher}: the deepspeed launcher is not installed in this environment (run `make venv`)")
+    evaluation = ["--eval-data", *map(str, eval_data)] if eval_data else []
     return [str(launcher), "--num_gpus", str(TRAIN_RANKS), "--master_port", str(_free_port()),
-            str(REPO / "bert_ds" / "pretrain.py"), "--recipe", str(recipe),
-            "--data", str(dirs["train128"]), str(dirs["train512"]), "--tokenizer", str(dirs["tokenizer"]),
-            "--eval-data", str(dirs["eval128"]), str(dirs["eval512"]), "--output", str(run)]
+            str(REPO / "bert_ds" / "pretrain.py"), "--recipe", str(recipe), "--data", *map(str, data),
+            "--tokenizer", str(tokenizer), *evaluation, "--output", str(run), *extra]
 
 
 def _progress_line(line: str) -> str | None:
@@ -247,15 +257,14 @@ def _progress_line(line: str) -> str | None:
     return None
 
 
-def train(recipe: Path, dirs: dict[str, Path], run: Path, log_path: Path) -> None:
-    """Both phases on ``TRAIN_RANKS`` CPU ranks into a fresh ``run``; the launcher's output goes to ``log_path``
-    and bert_ds's progress lines also to the console."""
-    cmd = _train_command(recipe, dirs, run)
+def train(cmd: list[str], log_path: Path) -> None:
+    """Run a ``_train_command`` on ``TRAIN_RANKS`` CPU ranks; the launcher's output goes to ``log_path`` and bert_ds's
+    progress lines also to the console."""
     _say("    $ " + " ".join(cmd))
     # CPU ranks even where a GPU exists (the recipe is sized for them); one thread per rank on a 2-core machine.
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(log_path, "a", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         shown = None
@@ -434,30 +443,59 @@ def _report(scores: list[Score], examples: list[dict]) -> None:
              f"{100 * s.mask_baseline:.1f}% (always {s.mask_baseline_token!r}): {s.mask_ratio:.2f}x")
 
 
+def _write_recipe(path: Path, quick: bool, source: Path) -> Path:
+    path.write_text(json.dumps(demo_recipe(quick, source), indent=1) + "\n")
+    return path
+
+
+def _pretrain(out: Path, dirs: dict[str, Path], quick: bool) -> Path:
+    """Steps 4-6: the sequence-length warm-up, its export, then both phases from its weights; returns the run.
+
+    The warm-up: the tiny model's attention stays almost uniform over 128 positions for thousands of steps (its
+    gradient into the query/key weights is spread over every position), so at [MASK] it answers the most frequent
+    tokens. At 32 positions it learns to look at the neighbouring words within a few hundred steps, and keeps doing
+    so at 128 (measured: the weight on the adjacent tokens 8x uniform after the warm-up, 2x without it). A separate
+    one-phase run (``ds_configs/demo_warmup_cpu.json``), exported and handed to the main run with
+    ``--init-from-hf``: the two phases themselves run exactly as a user's would."""
+    warm_run, warm_export, run = out / "warmup_run", out / "warmup_export", out / "run"
+    log_path = out / "train.log"
+    log_path.write_text("")
+    for path, what in ((warm_run, "warm-up run"), (warm_export, "warm-up export"), (run, "run")):
+        _replace(path, what)
+    recipe = _write_recipe(out / "warmup_recipe.json", quick, WARMUP_RECIPE)
+    _say(f"==> [4/8] sequence-length warm-up at seq {demo_recipe(quick, WARMUP_RECIPE)['phases'][0]['seq_len']} "
+         f"({'quick: ' if quick else ''}{recipe}; from {WARMUP_RECIPE.relative_to(REPO)}), {TRAIN_RANKS} CPU ranks")
+    train(_train_command(recipe, [dirs["warmup"]], [], dirs["tokenizer"], warm_run), log_path)
+    _export(warm_run, warm_export)
+    recipe = _write_recipe(out / "recipe.json", quick, DEMO_RECIPE)
+    _say(f"==> [5/8] pre-training, both phases from the warm-up's weights ({'quick: ' if quick else ''}{recipe}; from "
+         f"{DEMO_RECIPE.relative_to(REPO)}), ZeRO-2 + LAMB on {TRAIN_RANKS} CPU ranks")
+    train(_train_command(recipe, [dirs["train128"], dirs["train512"]], [dirs["eval128"], dirs["eval512"]],
+                         dirs["tokenizer"], run, ("--init-from-hf", str(warm_export))), log_path)
+    return run
+
+
 def run_demo(out: Path, *, quick: bool = False, settings: DemoSettings | None = None,
              min_ratio: float | None = None) -> list[Score]:
-    """All seven steps into ``out``; returns the export's held-out scores. Raises DemoError when a step fails or
-    (unless ``min_ratio`` is None) when an eval set's accuracy is below ``min_ratio`` times its baseline."""
+    """All eight steps into ``out``; returns the export's held-out scores. Raises DemoError when a step fails or
+    (unless ``min_ratio`` is None) when an eval set's accuracy at [MASK] positions is below ``min_ratio`` times its
+    baseline."""
     settings = settings or DemoSettings()
     out = Path(out)
     _own_dir(out)
-    _say("==> [1/7] corpus: English text on this machine (/usr/share/common-licenses, Python stdlib docstrings)")
+    _say("==> [1/8] corpus: English text on this machine (/usr/share/common-licenses, Python stdlib docstrings)")
     dirs = prepare_data(out, settings)
-    run, export_dir, png, log_path = out / "run", out / "export", out / "curves.png", out / "train.log"
-    recipe_path = out / "recipe.json"
-    recipe_path.write_text(json.dumps(demo_recipe(quick), indent=1) + "\n")
-    _say(f"==> [4/7] pre-training, both phases ({'quick: ' if quick else ''}{recipe_path}; from "
-         f"{DEMO_RECIPE.relative_to(REPO)}), ZeRO-2 + LAMB on {TRAIN_RANKS} CPU ranks")
-    _replace(run, "run")
-    train(recipe_path, dirs, run, log_path)
-    _say("==> [5/7] Hugging Face export")
+    export_dir, png, log_path = out / "export", out / "curves.png", out / "train.log"
+    run = _pretrain(out, dirs, quick)
+    _say("==> [6/8] Hugging Face export")
     _export(run, export_dir)
-    _say("==> [6/7] the export under transformers: held-out accuracy and fill-mask")
+    _say("==> [7/8] the export under transformers: held-out accuracy and fill-mask")
     scores = export_scores(export_dir, {"seq 128": dirs["eval128"], "seq 512": dirs["eval512"]})
     _report(scores, fill_mask_examples(export_dir, dirs["heldout"], dirs["train"]))
-    _say("==> [7/7] curves")
+    _say("==> [8/8] curves")
     _plot(run, png)
     _say(f"\ndone. run: {run}/ (checkpoints/, tensorboard/: `tensorboard --logdir {run / 'tensorboard'}`)\n"
+         f"      warm-up: {out / 'warmup_run'}/, its export {out / 'warmup_export'}/\n"
          f"      training log: {log_path}\n      plot: {png}\n      export: {export_dir}/ "
          f"(transformers: BertForPreTraining / AutoModelForMaskedLM / pipeline('fill-mask'))")
     weak = [s for s in scores if min_ratio is not None and s.ratio < min_ratio]

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.demo import MARKER, DemoSettings, NotDemoDirectory, demo_recipe, run_demo, split_corpus
+from bert_ds.demo import (
+    DEMO_RECIPE,
+    MARKER,
+    WARMUP_RECIPE,
+    DemoSettings,
+    NotDemoDirectory,
+    demo_recipe,
+    run_demo,
+    split_corpus,
+)
 from bert_ds.recipe import Recipe
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO
@@ -44,18 +53,23 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
     assert done.returncode == 2 and "did not write" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("source", [DEMO_RECIPE, WARMUP_RECIPE], ids=["main", "warmup"])
 @pytest.mark.parametrize("quick", [False, True])
-def test_demo_recipe_is_valid_and_quick_is_shorter(quick):
-    data = demo_recipe(quick)
-    recipe = Recipe.from_dict(data, source="demo_cpu")
+def test_demo_recipes_are_valid_and_quick_is_shorter(quick, source):
+    data = demo_recipe(quick, source)
+    recipe = Recipe.from_dict(data, source=source.name)
     assert recipe.optimizer.name == "lamb" and recipe.deepspeed.zero_stage == 2
-    assert [p.seq_len for p in recipe.phases] == [128, 512]
-    full = Recipe.from_dict(demo_recipe(False))
+    expected = [128, 512] if source == DEMO_RECIPE else [DemoSettings().warmup_seq_len]
+    assert [p.seq_len for p in recipe.phases] == expected
+    full = Recipe.from_dict(demo_recipe(False, source))
     steps = [p.steps for p in recipe.phases]
     assert (steps < [p.steps for p in full.phases]) == quick and all(s > 0 for s in steps)
     # Dropout as shipped: the demo trains the model users get, not a dropout-free variant.
     config = recipe.model_config(vocab_size=DemoSettings().vocab_size)
     assert config.hidden_dropout_prob == 0.1 and config.attention_probs_dropout_prob == 0.1
+    # The main run starts from the warm-up's export: the same model shape, or --init-from-hf refuses it.
+    warmup = Recipe.from_dict(demo_recipe(quick, WARMUP_RECIPE))
+    assert warmup.model_config(vocab_size=4000) == recipe.model_config(vocab_size=4000)
 
 
 def _run_demo(out: Path) -> subprocess.CompletedProcess:
@@ -70,8 +84,8 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     scores = {m[1]: m for m in SCORE_LINE.finditer(first.stdout)}
     assert set(scores) == {"seq 128", "seq 512"}, first.stdout[-4000:]
-    # 40 steps learn next to nothing (the full recipe's figures are in the README, measured by `make demo`); here
-    # the numbers must be well formed and consistent: English-like baselines, 80% of the chosen positions at [MASK].
+    # 10 + 6 + 6 steps learn next to nothing (the full recipe's figures are in the README, measured by `make demo`):
+    # here the numbers must be well formed and consistent: English-like baselines, 80% of chosen positions at [MASK].
     for m in scores.values():
         accuracy, positions, baseline, ratio = float(m[2]), int(m[3]), float(m[4]), float(m[6])
         mask_positions, mask_accuracy, mask_baseline, mask_ratio = int(m[7]), float(m[8]), float(m[9]), float(m[11])
@@ -81,7 +95,9 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     examples = re.findall(r"^\s+\[(\w+)\] -> (.+)$", first.stdout, flags=re.M)
     assert len(examples) >= 4, first.stdout[-3000:]
     assert all(len(top.split(" | ")) == 3 for _, top in examples)
-    for line in ("plot: ", "export: ", "run: ", "training log: "):
+    assert "sequence-length warm-up at seq 32" in first.stdout
+    assert "both phases from the warm-up's weights" in first.stdout
+    for line in ("plot: ", "export: ", "run: ", "warm-up: ", "training log: "):
         assert line in first.stdout
     png = out / "curves.png"
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 40_000
@@ -96,5 +112,6 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     assert f"reusing {out / 'data'}/" in second.stdout
     assert f"replacing the previous run {out / 'run'}" in second.stdout
+    assert f"replacing the previous warm-up export {out / 'warmup_export'}" in second.stdout
     assert f"replacing the previous export {out / 'export'}" in second.stdout
     assert png.stat().st_size > 40_000

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="demo_run", type=Path,
                         help="output directory (default: demo_run); one the demo did not create is refused")
     parser.add_argument("--quick", action="store_true",
-                        help="40 + 4 steps instead of the full recipe (seconds of training; for tests): "
+                        help="10 warm-up steps and 6 + 6 instead of the full recipes (seconds of training; for tests): "
                              "reports the accuracy without requiring 2x the baseline")
     args = parser.parse_args(argv)
     start = time.monotonic()
