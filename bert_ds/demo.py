@@ -443,9 +443,11 @@ def _report(scores: list[Score], examples: list[dict]) -> None:
              f"{100 * s.mask_baseline:.1f}% (always {s.mask_baseline_token!r}): {s.mask_ratio:.2f}x")
 
 
-def _write_recipe(path: Path, quick: bool, source: Path) -> Path:
-    path.write_text(json.dumps(demo_recipe(quick, source), indent=1) + "\n")
-    return path
+def _write_recipe(path: Path, quick: bool, source: Path) -> dict:
+    """Write the (quick or full) demo recipe from ``source`` to ``path``; returns it."""
+    recipe = demo_recipe(quick, source)
+    path.write_text(json.dumps(recipe, indent=1) + "\n")
+    return recipe
 
 
 def _pretrain(out: Path, dirs: dict[str, Path], quick: bool) -> Path:
@@ -462,12 +464,14 @@ def _pretrain(out: Path, dirs: dict[str, Path], quick: bool) -> Path:
     log_path.write_text("")
     for path, what in ((warm_run, "warm-up run"), (warm_export, "warm-up export"), (run, "run")):
         _replace(path, what)
-    recipe = _write_recipe(out / "warmup_recipe.json", quick, WARMUP_RECIPE)
-    _say(f"==> [4/8] sequence-length warm-up at seq {demo_recipe(quick, WARMUP_RECIPE)['phases'][0]['seq_len']} "
+    recipe = out / "warmup_recipe.json"
+    warmup = _write_recipe(recipe, quick, WARMUP_RECIPE)
+    _say(f"==> [4/8] sequence-length warm-up at seq {warmup['phases'][0]['seq_len']} "
          f"({'quick: ' if quick else ''}{recipe}; from {WARMUP_RECIPE.relative_to(REPO)}), {TRAIN_RANKS} CPU ranks")
     train(_train_command(recipe, [dirs["warmup"]], [], dirs["tokenizer"], warm_run), log_path)
     _export(warm_run, warm_export)
-    recipe = _write_recipe(out / "recipe.json", quick, DEMO_RECIPE)
+    recipe = out / "recipe.json"
+    _write_recipe(recipe, quick, DEMO_RECIPE)
     _say(f"==> [5/8] pre-training, both phases from the warm-up's weights ({'quick: ' if quick else ''}{recipe}; from "
          f"{DEMO_RECIPE.relative_to(REPO)}), ZeRO-2 + LAMB on {TRAIN_RANKS} CPU ranks")
     train(_train_command(recipe, [dirs["train128"], dirs["train512"]], [dirs["eval128"], dirs["eval512"]],
