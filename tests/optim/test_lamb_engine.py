@@ -23,7 +23,12 @@ CONVENTIONS = ("all", "decay_only")
 # their LAMB updates are rounding noise that differs with any change of reduction order.
 NOISE_ONLY = ("attention.self.query.bias", "attention.self.key.bias")
 FLOOR_FACTOR = 4.0
-"""Sharded runs may sit this many times further from ZeRO-0 x1 than ZeRO-0 x2 does (measured: <= 2.1x)."""
+"""Sharded runs may sit this many times further from ZeRO-0 x1 than ZeRO-0 x2 does (measured here: <= 2.1x)."""
+NOISE_ALLOWANCE = 8e-6
+"""...or this far, whichever is larger. The floor is itself one sample of rounding noise, and which tensor is worst
+moves with the CPU's matmul kernels: on CI's machine ZeRO-2 "decay_only" ended 3.7e-6 from ZeRO-0 x1 at the pooler
+bias (NSP-only gradient, no trust ratio: Adam normalises its rounding noise up) against a floor of 8.7e-7, while here
+both sit at 9e-7. The bugs this test exists for measured 1.5e-5 and 5.3e-5 (module docstring), well above it."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,8 @@ def test_sharded_lamb_is_at_the_data_parallel_floor(runs, trust_ratio, stage):
     got, worst = distance(runs, f"z{stage}-clip-{trust_ratio}x2", ref)
     print(f"trust_ratio={trust_ratio}: ZeRO-0 x2 {floor:.2e}, ZeRO-{stage} x2 {got:.2e} ({worst}) from ZeRO-0 x1")
     assert floor < 2e-5, f"data-parallel floor {floor:.2e} is not a rounding-level difference"
-    assert got <= FLOOR_FACTOR * floor, f"ZeRO-{stage}: {got:.2e} ({worst}) vs floor {floor:.2e}"
+    allowed = max(FLOOR_FACTOR * floor, NOISE_ALLOWANCE)
+    assert got <= allowed, f"ZeRO-{stage}: {got:.2e} ({worst}) vs floor {floor:.2e}, allowed {allowed:.2e}"
 
 
 def test_conventions_differ(runs):
