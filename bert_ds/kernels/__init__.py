@@ -1,7 +1,7 @@
 """Fused kernels for BERT, each beside its plain-torch twin, behind a small backend registry.
 
-``layer_norm`` (optionally with the residual add), ``bias_gelu`` (erf GELU) and ``attention``
-(FlashAttention-style, key-padding mask) take ``backend`` in :data:`BACKENDS`: ``auto`` picks Triton
+``layer_norm`` (optionally with the residual add), ``bias_gelu`` (erf GELU), ``attention``
+(FlashAttention-style, key-padding mask) and ``varlen_attention`` (the same on unpadded tokens) take ``backend`` in :data:`BACKENDS`: ``auto`` picks Triton
 on CUDA tensors and torch elsewhere (one warning per op per process), ``triton``/``torch``/``apex``
 are explicit and raise when they cannot run. ``TRITON_INTERPRET=1`` lets explicit ``triton`` run on
 CPU tensors (how the tests check the kernels). The Triton attention has no dropout: ``auto`` with
@@ -14,15 +14,18 @@ import torch
 from torch import nn
 
 from .attention import attention_torch, attention_triton
+from .attention_varlen import varlen_attention_torch, varlen_attention_triton
 from .bias_gelu import bias_gelu_torch, bias_gelu_triton
 from .layer_norm import layer_norm_apex, layer_norm_torch, layer_norm_triton
 from .registry import BACKENDS, resolve_backend, warn_fallback_once
 
-__all__ = ["BACKENDS", "LayerNorm", "attention", "bias_gelu", "layer_norm", "resolve_backend"]
+__all__ = ["BACKENDS", "LayerNorm", "attention", "bias_gelu", "layer_norm", "resolve_backend",
+           "varlen_attention"]
 
 _LAYER_NORM = {"triton": layer_norm_triton, "torch": layer_norm_torch, "apex": layer_norm_apex}
 _BIAS_GELU = {"triton": bias_gelu_triton, "torch": bias_gelu_torch}
 _ATTENTION = {"triton": attention_triton, "torch": attention_torch}
+_VARLEN_ATTENTION = {"triton": varlen_attention_triton, "torch": varlen_attention_torch}
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -48,6 +51,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mas
                                                 "'auto' with dropout_p > 0 uses torch SDPA (warned once per process)")
         chosen = "torch"
     return _ATTENTION[chosen](q, k, v, key_padding_mask, dropout_p)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     dropout_p: float = 0.0, backend: str = "auto") -> torch.Tensor:
+    """Softmax attention within each sequence of packed tokens: q, k, v (T, nh, hd) -> (T, nh, hd).
+
+    ``cu_seqlens`` (B + 1,) int: sequence b owns rows cu_seqlens[b]:cu_seqlens[b + 1]; ``max_seqlen`` >= the
+    longest (see :mod:`.attention_varlen`).
+    """
+    chosen = resolve_backend("varlen_attention", backend, q.device)
+    if chosen == "triton" and dropout_p > 0.0 and backend == "auto":
+        warn_fallback_once("attention-dropout", "bert_ds.kernels: the Triton attention has no dropout; backend "
+                                                "'auto' with dropout_p > 0 uses torch SDPA (warned once per process)")
+        chosen = "torch"
+    return _VARLEN_ATTENTION[chosen](q, k, v, cu_seqlens, max_seqlen, dropout_p)
 
 
 class LayerNorm(nn.Module):

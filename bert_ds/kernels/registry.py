@@ -16,7 +16,7 @@ from .layer_norm import apex_available
 __all__ = ["BACKENDS", "OPS", "resolve_backend", "warn_fallback_once"]
 
 BACKENDS = ("auto", "triton", "torch", "apex")
-OPS = ("layer_norm", "bias_gelu", "attention")
+OPS = ("layer_norm", "bias_gelu", "attention", "varlen_attention")
 
 _warned: set[str] = set()
 

@@ -4,7 +4,9 @@
 ``forward`` is the training contract: the MLM head runs only on the valid masked positions (gathered before the
 transform, as NVIDIA's and DeepSpeed's BERT do), which saves the (B, S, vocab) logits that dominate the head's cost;
 and the last encoder layer computes only the rows the heads read ([CLS] and the masked positions) once its keys and
-values exist. Both are exact: ``logits`` (all positions) and ``forward`` agree with transformers to fp32 rounding.
+values exist. The encoder runs on the real tokens only (``unpad``, :mod:`bert_ds.model.unpad`): no compute on
+padding, attention per sequence. All three are exact: ``logits`` (all positions) and ``forward`` agree with
+transformers to fp32 rounding, and ``forward`` unpadded with ``forward`` padded.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from torch import nn
 
 from bert_ds.config import BertConfig
 from bert_ds.kernels import BACKENDS
+from bert_ds.model import unpad as unpad_
 from bert_ds.model.heads import BertPreTrainingHeads
 from bert_ds.model.layers import BertEmbeddings, BertEncoder, BertPooler
+from bert_ds.model.unpad import Unpadding
 
 __all__ = ["BertModel", "BertForPreTraining", "PretrainingOutput", "IGNORE_INDEX", "KERNEL_CHOICES"]
 
@@ -70,13 +74,14 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(config)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor,
-                output_hidden_states: bool = False,
-                last_layer_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                output_hidden_states: bool = False, last_layer_positions: torch.Tensor | None = None,
+                unpadding: Unpadding | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the sequence output (B, S, H), or (B, Q, H) at ``last_layer_positions`` (B, Q), and, if asked,
-        the L + 1 hidden states (embeddings first)."""
+        the L + 1 hidden states (embeddings first). With ``unpadding`` (:func:`bert_ds.model.unpad.plan` of
+        ``attention_mask``) the encoder computes the real tokens only, and full outputs are (T, H) packed rows."""
         key_padding_mask = attention_mask.bool()  # (B, S) True = real token, may be attended to
-        x = self.embeddings(input_ids, token_type_ids)
-        return self.encoder(x, key_padding_mask, output_hidden_states, last_layer_positions)
+        x = self.embeddings(input_ids, token_type_ids, unpadding)
+        return self.encoder(x, key_padding_mask, output_hidden_states, last_layer_positions, unpadding)
 
 
 class BertForPreTraining(nn.Module):
@@ -87,13 +92,17 @@ class BertForPreTraining(nn.Module):
         kernels: fused-op backend for LayerNorm, bias+GELU and attention (``auto``, ``triton``, ``torch``, ``apex``);
             the parameters are the same whichever runs.
         activation_checkpointing: recompute each encoder layer in the backward pass (saves activation memory).
+        unpad: ``forward`` computes the encoder on the real tokens only (same result; False keeps the padded
+            layout, the reference the tests compare against).
     """
 
-    def __init__(self, config: BertConfig, kernels: str = "auto", activation_checkpointing: bool = False) -> None:
+    def __init__(self, config: BertConfig, kernels: str = "auto", activation_checkpointing: bool = False,
+                 unpad: bool = True) -> None:
         super().__init__()
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={kernels!r}: choose one of {KERNEL_CHOICES}")
         self.config = config
+        self.unpad = unpad
         self.bert = BertModel(config, kernels, activation_checkpointing)
         self.cls = BertPreTrainingHeads(config, kernels)
         self.reset_parameters()
@@ -135,11 +144,19 @@ class BertForPreTraining(nn.Module):
         # after its keys/values: (B, 1 + P, H). Padding slots point at position 0 and are dropped below.
         cls_position = torch.zeros_like(masked_lm_positions[:, :1])
         query_positions = torch.cat([cls_position, masked_lm_positions.masked_fill(~valid, 0)], dim=1)
-        rows, _ = self.bert(input_ids, token_type_ids, attention_mask, last_layer_positions=query_positions)
+        unpadding = None
+        if self.unpad:  # the step's one device-to-host sync: sizes of the packed tokens and of the labels
+            total, longest, num_valid = unpad_.host_counts(attention_mask, valid.sum())
+            unpadding = unpad_.plan(attention_mask, total, longest)
+            chosen = torch.nonzero_static(valid.reshape(-1), size=num_valid).squeeze(1)
+        else:
+            chosen = valid.reshape(-1).nonzero().squeeze(1)
+        rows, _ = self.bert(input_ids, token_type_ids, attention_mask, last_layer_positions=query_positions,
+                            unpadding=unpadding)
 
         # The MLM head runs on the valid masked positions only: (N, H), N = number of labels != -100.
-        labels = masked_lm_ids[valid]  # (N,)
-        mlm_logits = self._mlm_logits(rows[:, 1:][valid])  # (N, vocab_size)
+        labels = masked_lm_ids.reshape(-1)[chosen]  # (N,)
+        mlm_logits = self._mlm_logits(rows[:, 1:].reshape(-1, rows.shape[-1])[chosen])  # (N, vocab_size)
 
         mlm_total = valid.sum()
         # Sum / count rather than mean: an all-padding batch gives loss 0 (not NaN) and still back-propagates.

@@ -14,6 +14,7 @@ from torch import nn
 
 from bert_ds import kernels
 from bert_ds.config import BertConfig
+from bert_ds.model.unpad import Unpadding
 
 __all__ = ["BertEmbeddings", "BertLayer", "BertEncoder", "BertPooler", "non_layer_norm_backend"]
 
@@ -35,7 +36,13 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = kernels.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, backend=backend)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                unpadding: Unpadding | None = None) -> torch.Tensor:
+        """(B, S, H); with ``unpadding``, (T, H) for the real tokens only, each at its own position id."""
+        if unpadding is not None:
+            x = self.word_embeddings(unpadding.gather(input_ids)) + self.token_type_embeddings(
+                unpadding.gather(token_type_ids))
+            return self.dropout(self.LayerNorm(x + self.position_embeddings(unpadding.positions())))
         seq_len = input_ids.shape[1]
         position_ids = torch.arange(seq_len, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # (B, S, H)
@@ -54,9 +61,12 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor,
-                queries: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, S, H) -> (B, S, H); with ``queries`` (B, Q, H), rows of x, only those rows attend: (B, Q, H)."""
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor, queries: torch.Tensor | None = None,
+                unpadding: Unpadding | None = None) -> torch.Tensor:
+        """x (B, S, H) -> (B, S, H); with ``queries`` (B, Q, H), rows of x, only those rows attend: (B, Q, H).
+        With ``unpadding``, x is the (T, H) packed real tokens: (T, H) out, or (B, Q, H) for ``queries``."""
+        if unpadding is not None:
+            return self._forward_unpadded(x, key_padding_mask, queries, unpadding)
         B, S, H = x.shape
         queries = x if queries is None else queries
         Q = queries.shape[1]
@@ -70,6 +80,23 @@ class BertSelfAttention(nn.Module):
         out = kernels.attention(q, k, v, key_padding_mask=key_padding_mask,
                                 dropout_p=self.dropout_p if self.training else 0.0, backend=backend)
         return out.transpose(1, 2).reshape(B, Q, H)  # (B, nh, Q, hd) -> (B, Q, H)
+
+    def _forward_unpadded(self, x: torch.Tensor, key_padding_mask: torch.Tensor, queries: torch.Tensor | None,
+                          unpadding: Unpadding) -> torch.Tensor:
+        T, H = x.shape
+        dropout_p = self.dropout_p if self.training else 0.0
+        k, v = (proj(x).view(T, self.num_heads, self.head_dim) for proj in (self.key, self.value))
+        if queries is None:
+            q = self.query(x).view(T, self.num_heads, self.head_dim)
+            out = kernels.varlen_attention(q, k, v, unpadding.cu_seqlens, unpadding.max_seqlen, dropout_p,
+                                           backend=self.backend)
+            return out.reshape(T, H)
+        # A few query rows per sequence (the last layer): keys/values back in the (B, S) layout for SDPA.
+        B, Q, _ = queries.shape
+        q = self.query(queries).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, Q, hd)
+        k, v = (unpadding.pad(t).transpose(1, 2) for t in (k, v))  # (B, nh, S, hd)
+        out = kernels.attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, backend="torch")
+        return out.transpose(1, 2).reshape(B, Q, H)
 
 
 class BertSelfOutput(nn.Module):
@@ -91,12 +118,16 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config, backend)
         self.output = BertSelfOutput(config, config.hidden_size, backend)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor,
-                query_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor, query_positions: torch.Tensor | None = None,
+                unpadding: Unpadding | None = None) -> torch.Tensor:
+        """``query_positions`` (B, Q) index x's rows: padded positions, or packed rows with ``unpadding``."""
         if query_positions is None:
-            return self.output(self.self(x, key_padding_mask), x)
-        rows = x.gather(1, query_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, Q, H)
-        return self.output(self.self(x, key_padding_mask, rows), rows)
+            return self.output(self.self(x, key_padding_mask, unpadding=unpadding), x)
+        if unpadding is not None:
+            rows = x[query_positions]  # (B, Q, H) from the packed (T, H)
+        else:
+            rows = x.gather(1, query_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, Q, H)
+        return self.output(self.self(x, key_padding_mask, rows, unpadding), rows)
 
 
 class BertIntermediate(nn.Module):
@@ -123,9 +154,9 @@ class BertLayer(nn.Module):
         # HF calls the FFN output sublayer `output` (same structure as the attention output).
         self.output = BertSelfOutput(config, config.intermediate_size, backend)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor,
-                query_positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.attention(x, key_padding_mask, query_positions)
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor, query_positions: torch.Tensor | None = None,
+                unpadding: Unpadding | None = None) -> torch.Tensor:
+        x = self.attention(x, key_padding_mask, query_positions, unpadding)
         return self.output(self.intermediate(x), x)
 
 
@@ -136,13 +167,17 @@ class BertEncoder(nn.Module):
         self.activation_checkpointing = activation_checkpointing
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor, output_hidden_states: bool = False,
-                last_layer_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                last_layer_positions: torch.Tensor | None = None,
+                unpadding: Unpadding | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the last hidden state and, if asked, all L + 1 hidden states (embeddings first, as HF).
 
-        ``last_layer_positions`` (B, Q): the last layer computes only these positions; its output is then (B, Q, H).
+        ``last_layer_positions`` (B, Q): the last layer computes only these positions (each a real token); its
+        output is then (B, Q, H). With ``unpadding``, x and the hidden states are (T, H) packed real tokens.
         """
         if output_hidden_states and last_layer_positions is not None:
             raise ValueError("output_hidden_states needs every position of the last layer")
+        if unpadding is not None and last_layer_positions is not None:
+            last_layer_positions = unpadding.rows_at(last_layer_positions)
         hidden_states = [x] if output_hidden_states else []
         checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         last = len(self.layer) - 1
@@ -150,9 +185,10 @@ class BertEncoder(nn.Module):
             positions = last_layer_positions if index == last else None
             if checkpointing:
                 # Non-reentrant checkpointing replays dropout with the saved RNG state: same grads as without.
-                x = torch.utils.checkpoint.checkpoint(layer, x, key_padding_mask, positions, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, key_padding_mask, positions, unpadding,
+                                                      use_reentrant=False)
             else:
-                x = layer(x, key_padding_mask, positions)
+                x = layer(x, key_padding_mask, positions, unpadding)
             if output_hidden_states:
                 hidden_states.append(x)
         return x, hidden_states

@@ -1,0 +1,119 @@
+"""Variable-length attention on packed tokens: the Triton kernels (interpreter) against the torch twin, and the twin
+against per-sequence attention computed independently, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bert_ds.kernels import varlen_attention
+from bert_ds.kernels.attention_varlen import varlen_attention_torch, varlen_block_config
+from tests.helpers.kernels import grads_of
+
+TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+HEAD_DIM = 64
+
+
+def _packed(lengths: list[int], heads: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v, do = (torch.randn(total, heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(4))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, do, cu
+
+
+def _per_sequence(q, k, v, cu):
+    """Independent reference: plain softmax(q k^T / sqrt(d)) v for each sequence on its own, no padding anywhere."""
+    outs = []
+    for b in range(cu.numel() - 1):
+        s, e = int(cu[b]), int(cu[b + 1])
+        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (nh, L, hd)
+        probs = torch.softmax(qs @ ks.transpose(1, 2) / HEAD_DIM ** 0.5, dim=-1)
+        outs.append((probs @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_torch_twin_equals_per_sequence_attention_forward_and_backward():
+    lengths = [128, 77, 5, 1, 100]
+    q, k, v, do, cu = _packed(lengths, heads=2, dtype=torch.float64, seed=1)
+    out, grads = grads_of(lambda q, k, v: varlen_attention_torch(q, k, v, cu, max(lengths)), [q, k, v], do)
+    ref, ref_grads = grads_of(lambda q, k, v: _per_sequence(q, k, v, cu), [q, k, v], do)
+    torch.testing.assert_close(out, ref)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg)
+
+
+def test_torch_twin_tokens_do_not_see_other_sequences():
+    q, k, v, _, cu = _packed([10, 20], heads=1, dtype=torch.float32)
+    base = varlen_attention_torch(q, k, v, cu, 20)
+    k2, v2 = k.clone(), v.clone()
+    k2[10:] += 5.0  # change only the second sequence's keys and values
+    v2[10:] -= 3.0
+    changed = varlen_attention_torch(q, k2, v2, cu, 20)
+    torch.testing.assert_close(changed[:10], base[:10], rtol=0, atol=0)
+    assert not torch.allclose(changed[10:], base[10:])
+
+
+def test_torch_twin_matches_padded_sdpa_with_a_larger_max_seqlen():
+    """max_seqlen may exceed the longest sequence (a fixed bucket): same result."""
+    q, k, v, _, cu = _packed([30, 7], heads=2, dtype=torch.float32)
+    torch.testing.assert_close(varlen_attention_torch(q, k, v, cu, 30), varlen_attention_torch(q, k, v, cu, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("lengths", [[128, 77, 5, 1], [100, 31, 64, 33]], ids=["seq128-mixed", "partial-blocks"])
+def test_triton_matches_twin(dtype, lengths):
+    q, k, v, do, cu = _packed(lengths, heads=2, dtype=dtype, seed=len(lengths) + lengths[1])
+    out, grads = grads_of(lambda q, k, v: varlen_attention(q, k, v, cu, max(lengths), backend="triton"), [q, k, v], do)
+    ref, ref_grads = grads_of(lambda q, k, v: varlen_attention_torch(q, k, v, cu, max(lengths)),
+                              [q.float(), k.float(), v.float()], do.float())
+    assert out.dtype == dtype and out.shape == q.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), rg, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_triton_seq512_bucket_bf16():
+    lengths = [512, 300, 129]
+    assert varlen_block_config(512) is not varlen_block_config(128)
+    q, k, v, do, cu = _packed(lengths, heads=1, dtype=torch.bfloat16, seed=5)
+    out, grads = grads_of(lambda q, k, v: varlen_attention(q, k, v, cu, 512, backend="triton"), [q, k, v], do)
+    ref, ref_grads = grads_of(lambda q, k, v: varlen_attention_torch(q, k, v, cu, 512),
+                              [q.float(), k.float(), v.float()], do.float())
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g.float(), rg, **TOL[torch.bfloat16])
+
+
+def test_triton_head_split_layout_and_empty_sequence():
+    """q, k, v as views out of a (T, 3, nh, hd) projection (non-contiguous), and a zero-length sequence."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [40, 0, 17]
+    qkv = torch.randn(sum(lengths), 3, 2, HEAD_DIM, generator=gen)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0, 40, 40, 57], dtype=torch.int32)
+    out = varlen_attention(q, k, v, cu, 40, backend="triton")
+    torch.testing.assert_close(out, varlen_attention_torch(q, k, v, cu, 40), **TOL[torch.float32])
+
+
+def test_triton_refuses_dropout_and_auto_falls_back_to_the_twin(fresh_warnings):
+    q, k, v, _, cu = _packed([8, 4], heads=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dropout"):
+        varlen_attention(q, k, v, cu, 8, dropout_p=0.1, backend="triton")
+    torch.manual_seed(0)
+    got = varlen_attention(q, k, v, cu, 8, dropout_p=0.5, backend="torch")
+    assert got.shape == q.shape and torch.isfinite(got).all()
+
+
+def test_bad_shapes_are_refused_with_the_shapes_named():
+    q, k, v, _, cu = _packed([8, 4], heads=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"\(T, nh, hd\)"):
+        varlen_attention_torch(q, k[:5], v, cu, 8)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        varlen_attention_torch(q, k, v, cu.float(), 8)
+
