@@ -54,18 +54,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mas
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                     dropout_p: float = 0.0, backend: str = "auto") -> torch.Tensor:
+                     dropout_p: float = 0.0, backend: str = "auto", seqlens=None) -> torch.Tensor:
     """Softmax attention within each sequence of packed tokens: q, k, v (T, nh, hd) -> (T, nh, hd).
 
     ``cu_seqlens`` (B + 1,) int: sequence b owns rows cu_seqlens[b]:cu_seqlens[b + 1]; ``max_seqlen`` >= the
-    longest (see :mod:`.attention_varlen`).
+    longest; ``seqlens`` optional host copy of the lengths (the torch path then runs per sequence). See
+    :mod:`.attention_varlen`.
     """
     chosen = resolve_backend("varlen_attention", backend, q.device)
     if chosen == "triton" and dropout_p > 0.0 and backend == "auto":
         warn_fallback_once("attention-dropout", "bert_ds.kernels: the Triton attention has no dropout; backend "
                                                 "'auto' with dropout_p > 0 uses torch SDPA (warned once per process)")
         chosen = "torch"
-    return _VARLEN_ATTENTION[chosen](q, k, v, cu_seqlens, max_seqlen, dropout_p)
+    return _VARLEN_ATTENTION[chosen](q, k, v, cu_seqlens, max_seqlen, dropout_p, seqlens)
 
 
 class LayerNorm(nn.Module):

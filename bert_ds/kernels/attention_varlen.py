@@ -6,8 +6,9 @@ holds the cumulative sequence lengths, so sequence ``b`` owns rows ``cu_seqlens[
 attends to all tokens of its own sequence (BERT is bidirectional), none of another's. ``max_seqlen`` (a Python int)
 sizes the launch grid and the twin's padding; it must be at least the longest sequence.
 
-Twins: :func:`varlen_attention_torch` scatters the tokens into a (B, max_seqlen) padded layout, runs SDPA with the
-key-padding mask and gathers the real rows back (the CPU path; attention dropout supported), and
+Twins: :func:`varlen_attention_torch`, SDPA per sequence when the lengths are known on the host (the CPU path: work
+sum_b L_b^2, no padding at all), otherwise SDPA on a (B, max_seqlen) padded layout with the key-padding mask (no
+host sync; attention dropout supported either way), and
 :func:`varlen_attention_triton`, FlashAttention-style kernels that read the packed layout directly: a program owns
 one query block of one head of one sequence and stops at that sequence's length, so the work is
 sum_b ceil(L_b / BLOCK)^2 blocks instead of B * ceil(S / BLOCK)^2. The arithmetic per block is the padded kernels'
@@ -18,6 +19,7 @@ key block and dQ per query block without atomics. No dropout in Triton (as the p
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +77,18 @@ def _padding_slots(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> tup
 
 
 def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_seqlen: int, dropout_p: float = 0.0) -> torch.Tensor:
-    """Reference and CPU path: pad to (B, nh, max_seqlen, hd), SDPA with the key-padding mask, unpad."""
+                           max_seqlen: int, dropout_p: float = 0.0,
+                           seqlens: Sequence[int] | None = None) -> torch.Tensor:
+    """Reference and CPU path. With ``seqlens`` (the lengths ``cu_seqlens`` encodes, as Python ints): SDPA on each
+    sequence alone. Without: pad to (B, nh, max_seqlen, hd), SDPA with the key-padding mask, unpad."""
     _check(q, k, v, cu_seqlens, max_seqlen)
+    if seqlens is not None:
+        if sum(seqlens) != q.shape[0] or len(seqlens) != cu_seqlens.numel() - 1:
+            raise ValueError(f"varlen attention: seqlens (sum {sum(seqlens)}, {len(seqlens)} sequences) disagree "
+                             f"with q ({q.shape[0]} tokens) and cu_seqlens ({cu_seqlens.numel() - 1} sequences)")
+        outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv), dropout_p=dropout_p).transpose(0, 1)
+                for qkv in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens), strict=True) if qkv[0].shape[0]]
+        return torch.cat(outs) if outs else q.new_zeros(q.shape)
     total, heads, head_dim = q.shape
     batch = cu_seqlens.numel() - 1
     slots, mask = _padding_slots(cu_seqlens, total, max_seqlen)
@@ -289,8 +300,10 @@ class _VarlenAttentionTriton(torch.autograd.Function):
 
 
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, dropout_p: float = 0.0) -> torch.Tensor:
-    """Triton FlashAttention on packed (T, nh, hd) tokens; differentiable in q, k, v. No dropout."""
+                            max_seqlen: int, dropout_p: float = 0.0,
+                            seqlens: Sequence[int] | None = None) -> torch.Tensor:
+    """Triton FlashAttention on packed (T, nh, hd) tokens; differentiable in q, k, v. No dropout. ``seqlens`` is
+    accepted for the twin's signature and not needed: the kernels read ``cu_seqlens`` on the device."""
     if dropout_p > 0.0:
         raise ValueError(f"varlen attention backend 'triton' does not implement dropout (dropout_p={dropout_p}); "
                          "use backend='auto' or 'torch', or dropout_p=0.0")

@@ -146,8 +146,8 @@ class BertForPreTraining(nn.Module):
         query_positions = torch.cat([cls_position, masked_lm_positions.masked_fill(~valid, 0)], dim=1)
         unpadding = None
         if self.unpad:  # the step's one device-to-host sync: sizes of the packed tokens and of the labels
-            total, longest, num_valid = unpad_.host_counts(attention_mask, valid.sum())
-            unpadding = unpad_.plan(attention_mask, total, longest)
+            seqlens, (num_valid,) = unpad_.host_counts(attention_mask, valid.sum())
+            unpadding = unpad_.plan(attention_mask, seqlens)
             chosen = torch.nonzero_static(valid.reshape(-1), size=num_valid).squeeze(1)
         else:
             chosen = valid.reshape(-1).nonzero().squeeze(1)

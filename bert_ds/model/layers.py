@@ -89,14 +89,17 @@ class BertSelfAttention(nn.Module):
         if queries is None:
             q = self.query(x).view(T, self.num_heads, self.head_dim)
             out = kernels.varlen_attention(q, k, v, unpadding.cu_seqlens, unpadding.max_seqlen, dropout_p,
-                                           backend=self.backend)
+                                           backend=self.backend, seqlens=unpadding.seqlens)
             return out.reshape(T, H)
-        # A few query rows per sequence (the last layer): keys/values back in the (B, S) layout for SDPA.
+        # A few query rows per sequence (the last layer): each sequence's queries against its own keys (SDPA).
         B, Q, _ = queries.shape
         q = self.query(queries).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, Q, hd)
-        k, v = (unpadding.pad(t).transpose(1, 2) for t in (k, v))  # (B, nh, S, hd)
-        out = kernels.attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, backend="torch")
-        return out.transpose(1, 2).reshape(B, Q, H)
+        outs = [F.scaled_dot_product_attention(q[b:b + 1], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
+                                               dropout_p=dropout_p)
+                if n else torch.zeros_like(q[b:b + 1])  # no real token: nothing to attend to, as the padded path
+                for b, (n, kb, vb) in enumerate(zip(unpadding.seqlens, k.split(unpadding.seqlens),
+                                                    v.split(unpadding.seqlens), strict=True))]
+        return torch.cat(outs).transpose(1, 2).reshape(B, Q, H)
 
 
 class BertSelfOutput(nn.Module):

@@ -6,9 +6,9 @@ runs per sequence through :func:`bert_ds.kernels.varlen_attention`. Each token k
 column in the padded batch) and segment id, and attends exactly to the real tokens of its own row, as the key-padding
 mask makes it do in the padded layout; so the unpadded model computes the same function (tests/model/test_unpad.py).
 
-The number of real tokens and the longest row must be known on the host to size the packed tensors and the launch
-grid; :func:`host_counts` reads them, together with whatever else the caller needs, in ONE device-to-host copy, and
-:func:`plan` builds everything else without another sync (``torch.nonzero_static``).
+The sequence lengths must be known on the host to size the packed tensors and the launch grid, and to let the CPU
+attention run per sequence; :func:`host_counts` reads them, together with whatever else the caller needs, in ONE
+device-to-host copy, and :func:`plan` builds everything else without another sync (``torch.nonzero_static``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ class Unpadding:
     cu_seqlens: torch.Tensor
     """(B + 1,) int32: sequence b owns packed rows cu_seqlens[b]:cu_seqlens[b + 1]."""
     max_seqlen: int
-    """Real tokens in the longest row (>= 1 unless every row is empty)."""
+    """Real tokens in the longest row (at least 1, even when every row is empty)."""
+    seqlens: tuple[int, ...]
+    """Real tokens per row, on the host."""
     row_of_position: torch.Tensor
     """(B * S,) int64: the packed row of each padded position (-1 at padding)."""
     seq_len: int
@@ -48,32 +50,26 @@ class Unpadding:
         """(B, S, ...) -> (T, ...): the real tokens' entries."""
         return t.reshape(-1, *t.shape[2:]).index_select(0, self.indices)
 
-    def pad(self, t: torch.Tensor) -> torch.Tensor:
-        """(T, ...) -> (B, S, ...): packed rows back in the padded layout, zeros at padding."""
-        batch = self.row_of_position.numel() // self.seq_len
-        out = t.new_zeros(batch * self.seq_len, *t.shape[1:]).index_copy(0, self.indices, t)
-        return out.view(batch, self.seq_len, *t.shape[1:])
-
     def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, Q) padded positions (each a real token) -> (B, Q) packed row indices."""
         flat = positions + torch.arange(positions.shape[0], device=positions.device)[:, None] * self.seq_len
         return self.row_of_position[flat]
 
 
-def host_counts(attention_mask: torch.Tensor, *extra: torch.Tensor) -> list[int]:
-    """[real tokens, longest row, *extra] as Python ints in one device-to-host copy (the step's one sync).
-    ``extra`` are 0-d integer tensors the caller also needs on the host (e.g. the number of valid labels)."""
-    mask = attention_mask.bool()
-    lengths = mask.sum(1)
-    return torch.stack([lengths.sum(), lengths.max(), *(e.to(lengths.dtype) for e in extra)]).tolist()
+def host_counts(attention_mask: torch.Tensor, *extra: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(real tokens per row, extra) as Python ints, in one device-to-host copy (the step's one sync). ``extra`` are
+    0-d integer tensors the caller also needs on the host (e.g. the number of valid labels)."""
+    lengths = attention_mask.bool().sum(1)
+    values = torch.cat([lengths, *(e.reshape(1).to(lengths.dtype) for e in extra)]).tolist()
+    return values[:lengths.numel()], values[lengths.numel():]
 
 
-def plan(attention_mask: torch.Tensor, total: int, max_seqlen: int) -> Unpadding:
-    """The packed layout of ``attention_mask`` (B, S), given ``total`` and ``max_seqlen`` from :func:`host_counts`."""
+def plan(attention_mask: torch.Tensor, seqlens: list[int]) -> Unpadding:
+    """The packed layout of ``attention_mask`` (B, S), given its row lengths from :func:`host_counts`."""
     mask = attention_mask.bool()
     flat = mask.reshape(-1)
-    indices = torch.nonzero_static(flat, size=total).squeeze(1)
+    indices = torch.nonzero_static(flat, size=sum(seqlens)).squeeze(1)
     cu_seqlens = F.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
     row_of_position = torch.where(flat, flat.long().cumsum(0) - 1, -1)
-    return Unpadding(indices=indices, cu_seqlens=cu_seqlens, max_seqlen=max(int(max_seqlen), 1),
-                     row_of_position=row_of_position, seq_len=mask.shape[1])
+    return Unpadding(indices=indices, cu_seqlens=cu_seqlens, max_seqlen=max([1, *seqlens]),
+                     seqlens=tuple(int(n) for n in seqlens), row_of_position=row_of_position, seq_len=mask.shape[1])

@@ -47,13 +47,33 @@ def test_torch_twin_equals_per_sequence_attention_forward_and_backward():
         torch.testing.assert_close(g, rg)
 
 
-def test_torch_twin_tokens_do_not_see_other_sequences():
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_torch_twin_per_sequence_path_equals_the_padded_path(dropout):
+    """With host lengths the twin runs SDPA per sequence (no padding work); same function as the padded SDPA.
+    With dropout the two draw different masks, so only the no-dropout case compares values."""
+    lengths = [50, 0, 128, 7]
+    q, k, v, do, cu = _packed(lengths, heads=2, dtype=torch.float64, seed=2)
+    out, grads = grads_of(lambda q, k, v: varlen_attention_torch(q, k, v, cu, 128, dropout, seqlens=lengths),
+                          [q, k, v], do)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    if dropout == 0.0:
+        ref, ref_grads = grads_of(lambda q, k, v: varlen_attention_torch(q, k, v, cu, 128), [q, k, v], do)
+        torch.testing.assert_close(out, ref)
+        for g, rg in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, rg)
+    with pytest.raises(ValueError, match="seqlens"):
+        varlen_attention_torch(q, k, v, cu, 128, seqlens=[50, 0, 128, 6])
+
+
+@pytest.mark.parametrize("host_lengths", [False, True], ids=["padded", "per-sequence"])
+def test_torch_twin_tokens_do_not_see_other_sequences(host_lengths):
     q, k, v, _, cu = _packed([10, 20], heads=1, dtype=torch.float32)
-    base = varlen_attention_torch(q, k, v, cu, 20)
+    seqlens = [10, 20] if host_lengths else None
+    base = varlen_attention_torch(q, k, v, cu, 20, seqlens=seqlens)
     k2, v2 = k.clone(), v.clone()
     k2[10:] += 5.0  # change only the second sequence's keys and values
     v2[10:] -= 3.0
-    changed = varlen_attention_torch(q, k2, v2, cu, 20)
+    changed = varlen_attention_torch(q, k2, v2, cu, 20, seqlens=seqlens)
     torch.testing.assert_close(changed[:10], base[:10], rtol=0, atol=0)
     assert not torch.allclose(changed[10:], base[10:])
 

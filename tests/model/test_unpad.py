@@ -103,15 +103,15 @@ def test_encoder_computes_only_real_tokens():
 def test_plan_maps_positions_to_packed_rows_with_holes_in_the_mask():
     """A mask need not be a prefix (e.g. left padding): tokens keep their position ids and their own sequence."""
     mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    total, longest = unpad_.host_counts(mask)
-    plan = unpad_.plan(mask, total, longest)
-    assert (total, longest, plan.max_seqlen) == (6, 4, 4)
+    seqlens, extra = unpad_.host_counts(mask, torch.tensor(7))
+    assert (seqlens, extra) == ([2, 4, 0], [7])
+    plan = unpad_.plan(mask, seqlens)
+    assert (plan.total, plan.max_seqlen, plan.seqlens) == (6, 4, (2, 4, 0))
     assert plan.indices.tolist() == [1, 2, 4, 5, 6, 7]
     assert plan.cu_seqlens.tolist() == [0, 2, 6, 6]
     assert plan.positions().tolist() == [1, 2, 0, 1, 2, 3]
     assert plan.rows_at(torch.tensor([[2, 1], [0, 3], [0, 0]]))[:2].tolist() == [[1, 0], [2, 5]]
-    values = torch.arange(12.0).view(3, 4)
-    assert plan.pad(plan.gather(values)).tolist() == (values * mask).tolist()
+    assert plan.gather(torch.arange(12.0).view(3, 4)).tolist() == [1.0, 2.0, 4.0, 5.0, 6.0, 7.0]
 
 
 def test_one_host_sync_per_forward(monkeypatch):
