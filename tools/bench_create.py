@@ -214,6 +214,7 @@ def main() -> None:
                         help="corpus repetitions for the throughput runs / the memory comparison (default 8 32)")
     parser.add_argument("--baseline-copies", type=int, default=2,
                         help="corpus repetitions for the baseline (it also runs dupe 1 at 4x this, for its memory)")
+    parser.add_argument("--json", type=Path, help="also write the rows and ratios here (tools/benchmark.py reads it)")
     args = parser.parse_args()
     if args.child:
         _child(json.loads(args.child))
@@ -258,6 +259,12 @@ def main() -> None:
               f"{args.copies[0]}x corpus: {rss[2]:.0f} vs {rss[1]:.0f} MiB (Google-style, which holds the corpus: "
               f"{rss[5]:.0f} MiB at {mb[base4]:.1f} MiB vs {rss[4]:.0f} at {mb[base]:.1f}) "
               f"(targets: >= 10,000 pairs/s at dupe 5, >= 3,000 at dupe 1)")
+        if args.json:
+            args.json.write_text(json.dumps({
+                "rows": {" ".join(name.split()): r for name, r in rows.items()},
+                "speedup_dupe5": v[0] / v[3], "speedup_dupe1": v[1] / v[4],
+                "corpus_mib": {"small": mb[small], "large": mb[large], "baseline": mb[base],
+                               "baseline_large": mb[base4]}}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import tarfile
 import tempfile
 import time
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--dynamic-masking", action="store_true", help="also time dynamic masking (15%%)")
     parser.add_argument("--tokenizer", type=Path, help="the --data-dir set's tokenizer ([MASK] id for dynamic masking)")
+    parser.add_argument("--json", type=Path, help="also write the rows here (tools/benchmark.py reads it)")
     args = parser.parse_args(argv)
     if args.dynamic_masking and args.data_dir is not None and args.tokenizer is None:
         parser.error("--dynamic-masking on --data-dir needs --tokenizer (the [MASK] id comes from it)")
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'what':46s} {'samples':>8s} {'seconds':>8s} {'samples/s':>10s} {'per worker':>10s}")
         for label, n, dt, workers in rows:
             print(f"{label:46s} {n:8d} {dt:8.2f} {n / dt:10.0f} {n / dt / workers:10.0f}")
+        if args.json:
+            args.json.write_text(json.dumps([{"what": label, "samples": n, "seconds": dt, "samples_per_s": n / dt,
+                                              "per_worker": n / dt / workers} for label, n, dt, workers in rows],
+                                            indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -142,15 +142,19 @@ class BertForPreTraining(nn.Module):
         valid = masked_lm_ids != IGNORE_INDEX  # (B, P)
         # The heads read only [CLS] (pooler) and the masked positions, so the last layer computes just those rows
         # after its keys/values: (B, 1 + P, H). Padding slots point at position 0 and are dropped below.
-        cls_position = torch.zeros_like(masked_lm_positions[:, :1])
-        query_positions = torch.cat([cls_position, masked_lm_positions.masked_fill(~valid, 0)], dim=1)
         unpadding = None
         if self.unpad:  # the step's one device-to-host sync: sizes of the packed tokens and of the labels
-            seqlens, (num_valid,) = unpad_.host_counts(attention_mask, valid.sum())
+            slots = torch.arange(1, valid.shape[1] + 1, device=valid.device)
+            seqlens, (num_valid, width) = unpad_.host_counts(attention_mask, valid.sum(), (valid * slots).max())
             unpadding = unpad_.plan(attention_mask, seqlens)
+            # Slots after the last valid label in every row are padding in every row: not computed at all.
+            masked_lm_positions, masked_lm_ids, valid = (t[:, :width] for t in (masked_lm_positions, masked_lm_ids,
+                                                                                valid))
             chosen = torch.nonzero_static(valid.reshape(-1), size=num_valid).squeeze(1)
         else:
             chosen = valid.reshape(-1).nonzero().squeeze(1)
+        cls_position = torch.zeros_like(masked_lm_positions[:, :1])
+        query_positions = torch.cat([cls_position, masked_lm_positions.masked_fill(~valid, 0)], dim=1)
         rows, _ = self.bert(input_ids, token_type_ids, attention_mask, last_layer_positions=query_positions,
                             unpadding=unpadding)
 
