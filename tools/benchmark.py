@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards512", type=Path, help="use this seq-512 shard set instead of the demo data")
     parser.add_argument("--repeats", type=int, default=8, help="timed rounds per step benchmark (default 8)")
     parser.add_argument("--quick", action="store_true", help="tiny model, few repeats: checks the command works")
-    parser.add_argument("--out", type=Path, default=Path("benchmark.json"), help="JSON results (default benchmark.json)")
+    parser.add_argument("--out", type=Path, default=Path("benchmark.json"),
+                        help="JSON results (default benchmark.json)")
     parser.add_argument("--markdown", default="BENCHMARKS.md", help="Markdown report path ('' for none)")
     args = parser.parse_args(argv)
     if bool(args.shards128) != bool(args.shards512):

@@ -4,9 +4,11 @@ which counts every matrix product the model really runs, forward and backward.
 PyTorch's counter has no formula for the CPU flash-attention kernel SDPA runs here, so it would miss the attention
 matmuls (4·S²·H per layer forward); this module registers one: the two forward matmuls, and for the backward the
 four gradient matmuls, leaving out the score matmul the kernel recomputes (model FLOPs count no recomputation,
-PaLM appendix B). Two checks per shape: a full-length batch, where the count must be exact; and a real batch from shards, where the
-unpadded model does less work than the padded count the logger uses: the counted FLOPs are compared with the analytic
-count at each sequence's real length and masked positions, and with the padded count (the work unpadding saves).
+PaLM appendix B). Two checks per shape: a full-length batch, where the count must be exact; and a real batch from
+shards, where the unpadded model does less work than the padded count the logger uses: the counted FLOPs are
+compared with the analytic count at each sequence's real length and masked positions, and with the padded count
+(the work unpadding saves). What remains above the real-length count is the last layer's rows for prediction slots
+that are padding in some rows but not all (computed, then dropped).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def _step_rows(results: dict) -> list[str]:
             continue
         s = r["speedup"]
         met = "met" if s["median_pair"] >= target else "NOT met"
-        rows.append(f"| BERT-{r['preset']} | {r['seq_len']} | {r['batch_size']} | {r['fill']:.0%} | {_ms(r['bert_ds']['min_s'])} / "
+        rows.append(f"| BERT-{r['preset']} | {r['seq_len']} | {r['batch_size']} | {r['fill']:.0%} | "
+                    f"{_ms(r['bert_ds']['min_s'])} / "
                     f"{_ms(r['bert_ds']['median_s'])} | {_ms(r['transformers']['min_s'])} / "
                     f"{_ms(r['transformers']['median_s'])} | **{s['median_pair']:.2f}x** "
                     f"({s['min_pair']:.2f}-{s['max_pair']:.2f}) | {s['best']:.2f}x | >= {target}x {met} |")
@@ -38,11 +39,13 @@ def _step_rows(results: dict) -> list[str]:
 
 
 def _flop_rows(results: dict) -> list[str]:
-    rows = ["| model | seq | lengths | full length: counted / analytic | real lengths: counted / analytic at real lengths | "
+    rows = ["| model | seq | lengths | full length: counted / analytic | "
+            "real lengths: counted / analytic at real lengths | "
             "real batch work vs padded count |", "|---|---|---|---|---|---|"]
     for r in results.get("flops", []):
         f, g = r["full_length"], r["real_lengths"]
-        rows.append(f"| BERT-{r['preset']} | {r['seq_len']} | {r['lengths']} | {f['counted'] / 1e9:,.1f} / {f['analytic'] / 1e9:,.1f} GFLOP "
+        rows.append(f"| BERT-{r['preset']} | {r['seq_len']} | {r['lengths']} | "
+                    f"{f['counted'] / 1e9:,.1f} / {f['analytic'] / 1e9:,.1f} GFLOP "
                     f"= {f['ratio']:.4f} | {g['counted'] / 1e9:,.1f} / {g['analytic_at_real_lengths'] / 1e9:,.1f} "
                     f"GFLOP = {g['ratio']:.4f} | {g['work_vs_padded']:.3f} |")
     return rows

@@ -70,8 +70,9 @@ def _bert_ds(data: dict[str, Path], work: Path, steps: int, interval: int, targe
 
     launcher = Path(sys.executable).parent / "deepspeed"
     cmd = [str(launcher), "--num_gpus", str(TRAIN_RANKS), "--master_port", str(_free_port()),
-           str(REPO / "bert_ds" / "pretrain.py"), "--recipe", str(work / "recipe.json"), "--data", str(data["train128"]),
-           "--eval-data", str(data["eval128"]), "--tokenizer", str(data["tokenizer"]), "--output", str(work / "run")]
+           str(REPO / "bert_ds" / "pretrain.py"), "--recipe", str(work / "recipe.json"),
+           "--data", str(data["train128"]), "--eval-data", str(data["eval128"]), "--tokenizer", str(data["tokenizer"]),
+           "--output", str(work / "run")]
     if (work / "run").exists():
         import shutil
 
