@@ -6,9 +6,10 @@ holds the cumulative sequence lengths, so sequence ``b`` owns rows ``cu_seqlens[
 attends to all tokens of its own sequence (BERT is bidirectional), none of another's. ``max_seqlen`` (a Python int)
 sizes the launch grid and the twin's padding; it must be at least the longest sequence.
 
-Twins: :func:`varlen_attention_torch`, SDPA per sequence when the lengths are known on the host (the CPU path: work
-sum_b L_b^2, no padding at all), otherwise SDPA on a (B, max_seqlen) padded layout with the key-padding mask (no
-host sync; attention dropout supported either way), and
+Twins: :func:`varlen_attention_torch`, on CPU tensors with the lengths known on the host SDPA per sequence (work
+sum_b L_b^2, no padding at all), otherwise SDPA on a (B, max_seqlen) padded layout with the key-padding mask (one
+launch on a GPU, where B small launches per layer would cost more than the padding; attention dropout supported
+either way), and
 :func:`varlen_attention_triton`, FlashAttention-style kernels that read the packed layout directly: a program owns
 one query block of one head of one sequence and stops at that sequence's length, so the work is
 sum_b ceil(L_b / BLOCK)^2 blocks instead of B * ceil(S / BLOCK)^2. The arithmetic per block is the padded kernels'
@@ -79,10 +80,10 @@ def _padding_slots(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> tup
 def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, dropout_p: float = 0.0,
                            seqlens: Sequence[int] | None = None) -> torch.Tensor:
-    """Reference and CPU path. With ``seqlens`` (the lengths ``cu_seqlens`` encodes, as Python ints): SDPA on each
-    sequence alone. Without: pad to (B, nh, max_seqlen, hd), SDPA with the key-padding mask, unpad."""
+    """Reference and CPU path. On the CPU with ``seqlens`` (the lengths ``cu_seqlens`` encodes, as Python ints): SDPA
+    on each sequence alone. Otherwise: pad to (B, nh, max_seqlen, hd), SDPA with the key-padding mask, unpad."""
     _check(q, k, v, cu_seqlens, max_seqlen)
-    if seqlens is not None:
+    if seqlens is not None and q.device.type == "cpu":
         if sum(seqlens) != q.shape[0] or len(seqlens) != cu_seqlens.numel() - 1:
             raise ValueError(f"varlen attention: seqlens (sum {sum(seqlens)}, {len(seqlens)} sequences) disagree "
                              f"with q ({q.shape[0]} tokens) and cu_seqlens ({cu_seqlens.numel() - 1} sequences)")
