@@ -20,6 +20,7 @@ import torch
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.distributed import seed_everything, sigchld_deferred
+from bert_ds.model.unpad import host_counts
 from bert_ds.preflight import RunPlan, StartPoint
 
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
@@ -86,10 +87,12 @@ def _micro_batch(te, it: Iterator[dict], nsp: bool, totals: torch.Tensor) -> Non
     """Forward + backward (+ the optimizer step at the accumulation boundary) of one micro batch; adds to ``totals``."""
     engine = te.engine
     batch = next(it)
+    # The unpadded model's sizes, read from the CPU batch before it moves: the forward then needs no device sync.
+    counts = host_counts(batch["attention_mask"], batch["masked_lm_ids"])
     inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in _MODEL_INPUTS}
     if nsp:
         inputs["next_sentence_label"] = batch["next_sentence_label"].to(engine.device, non_blocking=True)
-    out = engine(**inputs)
+    out = engine(**inputs, counts=counts)
     engine.backward(out.loss)
     engine.step()
     nsp_loss = out.nsp_loss if out.nsp_loss is not None else torch.zeros_like(out.mlm_loss)

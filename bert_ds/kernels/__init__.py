@@ -1,10 +1,11 @@
 """Fused kernels for BERT, each beside its plain-torch twin, behind a small backend registry.
 
 ``layer_norm`` (optionally with the residual add), ``bias_gelu`` (erf GELU), ``attention``
-(FlashAttention-style, key-padding mask) and ``varlen_attention`` (the same on unpadded tokens) take ``backend`` in :data:`BACKENDS`: ``auto`` picks Triton
-on CUDA tensors and torch elsewhere (one warning per op per process), ``triton``/``torch``/``apex``
-are explicit and raise when they cannot run. ``TRITON_INTERPRET=1`` lets explicit ``triton`` run on
-CPU tensors (how the tests check the kernels). The Triton attention has no dropout: ``auto`` with
+(FlashAttention-style, key-padding mask) and ``varlen_attention`` (the same on unpadded tokens) take
+``backend`` in :data:`BACKENDS`: ``auto`` picks Triton on CUDA tensors and torch elsewhere (one warning
+per op per process), ``triton``/``torch``/``apex`` are explicit and raise when they cannot run.
+``TRITON_INTERPRET=1`` lets explicit ``triton`` run on CPU tensors (how the tests check the kernels).
+The Triton attention has no dropout: ``auto`` with
 ``dropout_p > 0`` uses the torch twin (SDPA), explicit ``triton`` raises.
 """
 

@@ -23,7 +23,7 @@ from bert_ds.kernels import BACKENDS
 from bert_ds.model import unpad as unpad_
 from bert_ds.model.heads import BertPreTrainingHeads
 from bert_ds.model.layers import BertEmbeddings, BertEncoder, BertPooler
-from bert_ds.model.unpad import Unpadding
+from bert_ds.model.unpad import HostCounts, Unpadding
 
 __all__ = ["BertModel", "BertForPreTraining", "PretrainingOutput", "IGNORE_INDEX", "KERNEL_CHOICES"]
 
@@ -136,21 +136,24 @@ class BertForPreTraining(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor,
                 masked_lm_positions: torch.Tensor, masked_lm_ids: torch.Tensor,
-                next_sentence_label: torch.Tensor | None = None) -> PretrainingOutput:
+                next_sentence_label: torch.Tensor | None = None, counts: HostCounts | None = None) -> PretrainingOutput:
         """Training/eval step. Shapes: ids/segments/mask (B, S); masked_lm_positions and masked_lm_ids (B, P),
-        padded with position 0 / label -100; next_sentence_label (B,) or None for MLM-only recipes."""
+        padded with position 0 / label -100; next_sentence_label (B,) or None for MLM-only recipes. ``counts``:
+        :func:`bert_ds.model.unpad.host_counts` of the batch, computed before it moved to the device (saves the
+        forward's one device-to-host copy); masked positions must be real tokens (the loader checks them)."""
         valid = masked_lm_ids != IGNORE_INDEX  # (B, P)
         # The heads read only [CLS] (pooler) and the masked positions, so the last layer computes just those rows
         # after its keys/values: (B, 1 + P, H). Padding slots point at position 0 and are dropped below.
         unpadding = None
-        if self.unpad:  # the step's one device-to-host sync: sizes of the packed tokens and of the labels
-            slots = torch.arange(1, valid.shape[1] + 1, device=valid.device)
-            seqlens, (num_valid, width) = unpad_.host_counts(attention_mask, valid.sum(), (valid * slots).max())
-            unpadding = unpad_.plan(attention_mask, seqlens)
+        if self.unpad:
+            if counts is None:  # one device-to-host copy: sizes of the packed tokens and of the labels
+                counts = unpad_.host_counts(attention_mask, masked_lm_ids, IGNORE_INDEX)
+            unpadding = unpad_.plan(attention_mask, counts.seqlens)
             # Slots after the last valid label in every row are padding in every row: not computed at all.
+            width = counts.width
             masked_lm_positions, masked_lm_ids, valid = (t[:, :width] for t in (masked_lm_positions, masked_lm_ids,
                                                                                 valid))
-            chosen = torch.nonzero_static(valid.reshape(-1), size=num_valid).squeeze(1)
+            chosen = torch.nonzero_static(valid.reshape(-1), size=counts.num_valid).squeeze(1)
         else:
             chosen = valid.reshape(-1).nonzero().squeeze(1)
         cls_position = torch.zeros_like(masked_lm_positions[:, :1])

@@ -7,8 +7,10 @@ column in the padded batch) and segment id, and attends exactly to the real toke
 mask makes it do in the padded layout; so the unpadded model computes the same function (tests/model/test_unpad.py).
 
 The sequence lengths must be known on the host to size the packed tensors and the launch grid, and to let the CPU
-attention run per sequence; :func:`host_counts` reads them, together with whatever else the caller needs, in ONE
-device-to-host copy, and :func:`plan` builds everything else without another sync (``torch.nonzero_static``).
+attention run per sequence; :func:`host_counts` reads them with the label counts, and :func:`plan` builds everything
+else without a sync (``torch.nonzero_static``). The trainer calls :func:`host_counts` on the loader's CPU batch
+before it moves to the device, so a training step adds no device-to-host sync at all; a caller that passes device
+tensors alone gets one copy per forward.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Unpadding", "host_counts", "plan"]
+__all__ = ["HostCounts", "Unpadding", "host_counts", "plan"]
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,30 @@ class Unpadding:
         return self.row_of_position[flat]
 
 
-def host_counts(attention_mask: torch.Tensor, *extra: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(real tokens per row, extra) as Python ints, in one device-to-host copy (the step's one sync). ``extra`` are
-    0-d integer tensors the caller also needs on the host (e.g. the number of valid labels)."""
+@dataclass(frozen=True)
+class HostCounts:
+    """What the unpadded forward must know on the host about a batch."""
+
+    seqlens: tuple[int, ...]
+    """Real tokens per row."""
+    num_valid: int
+    """Masked-LM labels that are not -100."""
+    width: int
+    """Prediction slots up to the last valid label of any row: slots after it are padding in every row."""
+
+
+def host_counts(attention_mask: torch.Tensor, masked_lm_ids: torch.Tensor, ignore_index: int = -100) -> HostCounts:
+    """The batch's :class:`HostCounts` in one device-to-host copy (none for CPU tensors)."""
     lengths = attention_mask.bool().sum(1)
-    values = torch.cat([lengths, *(e.reshape(1).to(lengths.dtype) for e in extra)]).tolist()
-    return values[:lengths.numel()], values[lengths.numel():]
+    valid = masked_lm_ids != ignore_index
+    slots = torch.arange(1, valid.shape[1] + 1, device=valid.device)
+    last = (valid * slots).max() if valid.numel() else torch.zeros((), dtype=torch.long, device=valid.device)
+    values = torch.cat([lengths, valid.sum().reshape(1).to(lengths.dtype), last.reshape(1).to(lengths.dtype)])
+    values = values.tolist()
+    return HostCounts(seqlens=tuple(values[:-2]), num_valid=values[-2], width=values[-1])
 
 
-def plan(attention_mask: torch.Tensor, seqlens: list[int]) -> Unpadding:
+def plan(attention_mask: torch.Tensor, seqlens: tuple[int, ...] | list[int]) -> Unpadding:
     """The packed layout of ``attention_mask`` (B, S), given its row lengths from :func:`host_counts`."""
     mask = attention_mask.bool()
     flat = mask.reshape(-1)

@@ -103,9 +103,10 @@ def test_encoder_computes_only_real_tokens():
 def test_plan_maps_positions_to_packed_rows_with_holes_in_the_mask():
     """A mask need not be a prefix (e.g. left padding): tokens keep their position ids and their own sequence."""
     mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    seqlens, extra = unpad_.host_counts(mask, torch.tensor(7))
-    assert (seqlens, extra) == ([2, 4, 0], [7])
-    plan = unpad_.plan(mask, seqlens)
+    counts = unpad_.host_counts(mask, torch.tensor([[5, -100, 6], [-100, -100, -100], [-100, 7, -100]]))
+    assert counts == unpad_.HostCounts(seqlens=(2, 4, 0), num_valid=3, width=3)
+    assert unpad_.host_counts(mask, torch.tensor([[5, -100, -100]] * 3)).width == 1
+    plan = unpad_.plan(mask, counts.seqlens)
     assert (plan.total, plan.max_seqlen, plan.seqlens) == (6, 4, (2, 4, 0))
     assert plan.indices.tolist() == [1, 2, 4, 5, 6, 7]
     assert plan.cu_seqlens.tolist() == [0, 2, 6, 6]
@@ -114,8 +115,9 @@ def test_plan_maps_positions_to_packed_rows_with_holes_in_the_mask():
     assert plan.gather(torch.arange(12.0).view(3, 4)).tolist() == [1.0, 2.0, 4.0, 5.0, 6.0, 7.0]
 
 
-def test_one_host_sync_per_forward(monkeypatch):
-    """The unpadded forward reads the device once (host_counts' tolist); the packed sizes come from it."""
+def test_one_host_copy_per_forward_and_none_with_counts_from_the_cpu_batch(monkeypatch):
+    """The unpadded forward reads the device once (host_counts' tolist), and not at all when the trainer hands it the
+    counts it read from the loader's CPU batch; both give the same result."""
     config = model_preset("tiny", vocab_size=101, pad_vocab_to_multiple_of=8)
     model = BertForPreTraining(config, kernels="torch").eval()
     calls = []
@@ -124,7 +126,11 @@ def test_one_host_sync_per_forward(monkeypatch):
     ids = torch.randint(5, 101, (2, 16))
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
+    args = (ids, torch.zeros_like(ids), mask, torch.tensor([[1, 0], [2, 3]]), torch.tensor([[7, -100], [8, 9]]),
+            torch.tensor([0, 1]))
     with torch.no_grad():
-        model(ids, torch.zeros_like(ids), mask, torch.tensor([[1, 0], [2, 3]]), torch.tensor([[7, -100], [8, 9]]),
-              torch.tensor([0, 1]))
-    assert calls == [1]
+        first = model(*args)
+        assert calls == [1]
+        second = model(*args, counts=real(mask, args[4]))
+    assert calls == [1]  # the second forward read nothing from the device
+    torch.testing.assert_close(second.loss, first.loss, rtol=0, atol=0)
