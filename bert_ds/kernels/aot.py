@@ -1,114 +1,252 @@
-"""Ahead-of-time compilation of every shipped kernel configuration, with register/spill usage.
+"""Ahead-of-time builds of the Triton kernels the runtime launches, and what their machine code shows.
 
-No GPU is needed: ``triton.compile`` lowers each kernel for a ``GPUTarget`` and triton's bundled
-``cuobjdump --dump-resource-usage`` reads REG / STACK / SHARED / LOCAL from the cubin. STACK or
-LOCAL above zero means register spills, which the report treats as a failure. Kernels are compiled
-for bf16 tensors (the training dtype) with the launch settings from the ``*_CONFIGS`` tables the
-runtime uses, and pointer/stride arguments hinted 16-divisible as the JIT would specialize them.
+No GPU is needed. Each entry of :data:`ENTRIES` runs an op's real launch code (the autograd wrappers in
+``layer_norm.py``, ``bias_gelu.py``, ``attention.py``, forward and backward) on CPU tensors laid out as the model
+passes them, at BERT-base and BERT-large shapes, inside :func:`~.jit.record_launches`: the launches are recorded, not
+run. :func:`~.jit.specialize` then gives each launch the JIT's own specialisation for a target (argument types,
+integers divisible by 16 marked ``tt.divisibility`` 16, integers equal to 1 folded to constants, pointer alignment),
+so the binary built here is the one the runtime compiles. Launches with one specialisation share one build.
+
+For every build and target the report reads, with triton's bundled ``cuobjdump``:
+
+- ``--dump-resource-usage``: REG / STACK / SHARED / LOCAL. STACK or LOCAL above zero means register spills.
+- ``-sass``: global loads and stores by width in bits (``LDG.E.128`` is 128, ``LDG.E.U16`` 16, ``LDG.E`` 32;
+  ``LDGSTS``, the asynchronous global-to-shared copy, counts as a load), tensor-core instructions (``HMMA`` on
+  sm_80; ``HGMMA`` or ``HMMA`` on sm_90) and local-memory traffic (``LDL`` / ``STL``).
+
+Each entry names the checks its kernels must pass (:class:`TensorCores`, :class:`WideAccess`); every kernel must not
+spill. :func:`controls` builds known-bad variants that the checks must reject, the evidence that each check can fail.
+One more kernel is one more entry: a function that calls the op's Triton wrapper at a :class:`ModelShape`, and its
+checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
+import torch
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from .attention import ATTENTION_CONFIGS, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel
-from .bias_gelu import BIAS_GELU_CONFIGS, _bias_gelu_bwd_kernel, _bias_gelu_fwd_kernel
-from .jit import LateJIT
-from .layer_norm import LAYER_NORM_CONFIGS, _layer_norm_bwd_kernel, _layer_norm_fwd_kernel
+from bert_ds.config import model_preset
 
-__all__ = ["TARGETS", "KernelBuild", "ResourceUsage", "compile_kernel", "cuobjdump_path", "format_report",
-           "kernel_builds", "report"]
+from .attention import attention_triton
+from .attention_varlen import VARLEN_ATTENTION_CONFIGS, varlen_attention_triton
+from .bias_gelu import bias_gelu_triton
+from .jit import Specialization, compiler_mode_problem, record_launches, specialize
+from .layer_norm import layer_norm_triton
+
+__all__ = ["ENTRIES", "TARGETS", "Build", "KernelEntry", "KernelReport", "ModelShape", "TensorCores", "WideAccess",
+           "analyse", "bert_shapes", "compile_build", "controls", "cuobjdump_path", "format_report", "kernel_builds",
+           "report", "report_json", "sass", "sass_ops"]
 
 TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
-_LAUNCH_KEYS = ("num_warps", "num_stages")
 
 
 @dataclass(frozen=True)
-class KernelBuild:
-    """One kernel at one shipped configuration: argument types and constexpr values."""
+class ModelShape:
+    """The activation sizes one BERT configuration hands the kernels at one sequence length."""
 
-    kernel: LateJIT
-    config: dict  # constexprs plus launch options (num_warps, num_stages)
-    pointers: dict  # pointer argument name -> element type ("bf16", "fp32", "i8")
-    floats: tuple = ()  # scalar fp32 arguments; every other non-constexpr argument is i32
+    name: str
+    hidden: int
+    heads: int
+    intermediate: int
+    seq: int
+    batch: int
+    predictions: int  # masked positions per sequence (max_predictions_per_seq)
+
+    @property
+    def row_counts(self) -> tuple[int, ...]:
+        """Rows of the (rows, hidden) activations: every token; the last layer's [CLS] + masked positions; the MLM
+        head's masked positions (fewer than the cap: rarely a multiple of 16)."""
+        return self.batch * self.seq, self.batch * (1 + self.predictions), self.batch * self.predictions - 3
+
+
+def bert_shapes(batch: int = 4) -> tuple[ModelShape, ...]:
+    """BERT-base and BERT-large at both pre-training phases: seq 128 with 20 predictions, seq 512 with 80 (NVIDIA's
+    recipe). The batch size changes no build: row counts are not specialised (``do_not_specialize``) and the
+    attention kernels take no batch argument; it only sets the memory the recording takes."""
+    shapes = []
+    for preset in ("base", "large"):
+        config = model_preset(preset)
+        for seq, predictions in ((128, 20), (512, 80)):
+            shapes.append(ModelShape(f"{preset}-s{seq}", config.hidden_size, config.num_attention_heads,
+                                     config.intermediate_size, seq, batch, predictions))
+    return tuple(shapes)
+
+
+@dataclass(frozen=True)
+class TensorCores:
+    """The kernel's matrix products must run on tensor cores: HMMA (sm_80), HGMMA or HMMA (sm_90)."""
+
+    def problems(self, row: KernelReport) -> list[str]:
+        return [] if row.tensor_core_ops > 0 else ["no tensor-core instruction (HMMA/HGMMA): products run on FMA"]
+
+
+@dataclass(frozen=True)
+class WideAccess:
+    """A memory-bound kernel: its bf16 rows must move 128 bits per instruction. At least one 128-bit global load
+    and store, no 16-bit store, and at most ``narrow_loads`` 16-bit loads: one per 1-D vector (weight, bias) whose
+    block gives each thread a single element. A row read element by element shows as 8 16-bit loads per thread per
+    128-bit vector it should have been."""
+
+    narrow_loads: int = 0
+
+    def problems(self, row: KernelReport) -> list[str]:
+        out = []
+        if row.loads.get(128, 0) == 0:
+            out.append(f"no 128-bit global load (loads by width {row.loads})")
+        if row.loads.get(16, 0) > self.narrow_loads:
+            out.append(f"{row.loads[16]} 16-bit global loads (at most {self.narrow_loads} expected)")
+        if row.stores.get(128, 0) == 0 or row.stores.get(16, 0) > 0:
+            out.append(f"bf16 stores not 128-bit (stores by width {row.stores})")
+        return out
+
+
+def _leaf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    # Never read: recorded launches do not run. torch.empty keeps recording cheap at BERT-large sizes.
+    return torch.empty(shape, dtype=dtype, requires_grad=True)
+
+
+def _backward(out: torch.Tensor) -> None:
+    out.backward(torch.empty_like(out))
+
+
+def _launch_layer_norm(shape: ModelShape, dtype: torch.dtype) -> None:
+    weight, bias = _leaf(shape.hidden, dtype=dtype), _leaf(shape.hidden, dtype=dtype)
+    for rows in shape.row_counts:
+        x = _leaf(rows, shape.hidden, dtype=dtype)
+        # Sublayer outputs: LN(dense(x) + residual); embeddings and the MLM head transform: LN(x).
+        _backward(layer_norm_triton(x, weight, bias, 1e-12, residual=_leaf(rows, shape.hidden, dtype=dtype)))
+        _backward(layer_norm_triton(x, weight, bias, 1e-12))
+
+
+def _launch_bias_gelu(shape: ModelShape, dtype: torch.dtype) -> None:
+    # The FFN's intermediate (rows, 4H) and the MLM head transform's (rows, H).
+    for width in (shape.intermediate, shape.hidden):
+        for rows in shape.row_counts:
+            _backward(bias_gelu_triton(_leaf(rows, width, dtype=dtype), _leaf(width, dtype=dtype)))
+
+
+def _launch_attention(shape: ModelShape, dtype: torch.dtype) -> None:
+    b, s, h, nh = shape.batch, shape.seq, shape.hidden, shape.heads
+    # As BertSelfAttention: each of q, k, v is a (B, nh, S, hd) view of its projection's (B, S, H) output.
+    q, k, v = (_leaf(b, s, h, dtype=dtype).view(b, s, nh, h // nh).transpose(1, 2) for _ in range(3))
+    mask = torch.ones(b, s, dtype=torch.bool)
+    _backward(attention_triton(q, k, v, mask).transpose(1, 2).reshape(b, s, h))
+
+
+def _launch_varlen_attention(shape: ModelShape, dtype: torch.dtype) -> None:
+    b, s, h, nh = shape.batch, shape.seq, shape.hidden, shape.heads
+    # As the unpadded BertSelfAttention: q, k, v are (T, nh, hd) views of (T, H) projections, one sequence per row
+    # of the batch; every length bucket's block sizes (VARLEN_ATTENTION_CONFIGS) is built.
+    for bucket in sorted(VARLEN_ATTENTION_CONFIGS):
+        longest = min(s, bucket)
+        total = b * longest
+        q, k, v = (_leaf(total, h, dtype=dtype).view(total, nh, h // nh) for _ in range(3))
+        cu_seqlens = torch.arange(0, total + 1, longest, dtype=torch.int32)
+        _backward(varlen_attention_triton(q, k, v, cu_seqlens, longest).reshape(total, h))
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """One fused op: ``launch(shape, dtype)`` runs its Triton wrapper forward and backward as the model does, and
+    ``checks`` maps each of its kernels to what its machine code must show besides no spills."""
+
+    op: str
+    launch: Callable[[ModelShape, torch.dtype], None]
+    checks: dict = field(default_factory=dict)
+
+
+ENTRIES: tuple[KernelEntry, ...] = (
+    KernelEntry("layer_norm", _launch_layer_norm, {"_layer_norm_fwd_kernel": WideAccess(narrow_loads=2),  # W, B
+                                                   "_layer_norm_bwd_kernel": WideAccess(narrow_loads=1)}),  # W
+    KernelEntry("bias_gelu", _launch_bias_gelu, {"_bias_gelu_fwd_kernel": WideAccess(narrow_loads=1),  # bias
+                                                 "_bias_gelu_bwd_kernel": WideAccess(narrow_loads=1)}),
+    KernelEntry("attention", _launch_attention, {name: TensorCores() for name in
+                                                 ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")}),
+    KernelEntry("varlen_attention", _launch_varlen_attention,
+                {name: TensorCores() for name in ("_varlen_fwd_kernel", "_varlen_bwd_dkdv_kernel",
+                                                  "_varlen_bwd_dq_kernel")}),
+)
+
+_HIDDEN_CONSTEXPRS = ("INPUT_PRECISION", "DOT_DTYPE")  # implied by the pointer dtypes; kept out of labels
+
+
+@dataclass(frozen=True)
+class Build:
+    """One binary: a kernel specialised as the JIT would for ``target``, and the recorded launches it serves."""
+
+    entry: KernelEntry
+    spec: Specialization
+    target: GPUTarget
+    shapes: tuple[str, ...]  # "large-s512" etc.: the shapes whose launches compile to this binary
+
+    @property
+    def kernel(self) -> str:
+        return self.spec.kernel.__name__
 
     @property
     def label(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.config.items() if k not in ("INPUT_PRECISION", "DOT_DTYPE"))
-
-
-@dataclass(frozen=True)
-class ResourceUsage:
-    kernel: str
-    config: str
-    arch: int
-    reg: int
-    stack: int
-    shared: int
-    local: int
+        """Constexprs (including integers the JIT folded because they equal 1) and num_warps."""
+        values = {self.spec.arg_name(path): v for path, v in self.spec.constexprs.items()}
+        values = {k: v for k, v in values.items() if k not in _HIDDEN_CONSTEXPRS}
+        return ",".join([f"{k}={v}" for k, v in values.items()] + [f"num_warps={self.spec.options['num_warps']}"])
 
     @property
-    def spills(self) -> bool:
-        return self.stack > 0 or self.local > 0
+    def divisible(self) -> tuple[str, ...]:
+        """Arguments the JIT marks 16-divisible (pointers: 16-byte aligned)."""
+        return tuple(self.spec.arg_name(p) for p, attrs in self.spec.attrs.items()
+                     if ["tt.divisibility", 16] in attrs)
+
+    def with_changes(self, constexprs: dict | None = None, not_divisible: Iterable[str] = ()) -> Build:
+        """A variant: constexprs replaced by name, and the 16-divisibility of the named arguments dropped."""
+        names = self.spec.kernel.compiled().arg_names
+        new_constexprs = dict(self.spec.constexprs)
+        for name, value in (constexprs or {}).items():
+            new_constexprs[(names.index(name),)] = value
+        dropped = {(names.index(n),) for n in not_divisible}
+        attrs = {p: a for p, a in self.spec.attrs.items() if p not in dropped}
+        spec = dataclasses.replace(self.spec, constexprs=new_constexprs, attrs=attrs)
+        return dataclasses.replace(self, spec=spec)
 
 
-def kernel_builds() -> list[KernelBuild]:
-    """Every kernel at every configuration the runtime ships (bf16, hidden <= 1024, head_dim 64)."""
-    bf16, fp32 = "bf16", "fp32"
-    ln_ptrs = {"X": bf16, "R": bf16, "Y": bf16, "W": bf16, "B": bf16, "Mean": fp32, "Rstd": fp32}
-    ln_bwd_ptrs = {"X": bf16, "R": bf16, "DY": bf16, "DX": bf16, "W": bf16, "Mean": fp32, "Rstd": fp32,
-                   "DW_partial": fp32, "DB_partial": fp32}
-    builds = [
-        KernelBuild(_layer_norm_fwd_kernel, {"HAS_RESIDUAL": True, "BLOCK_N": 1024, **LAYER_NORM_CONFIGS["fwd"]},
-                    ln_ptrs, ("eps",)),
-        KernelBuild(_layer_norm_bwd_kernel, {"HAS_RESIDUAL": True, "BLOCK_N": 1024, **LAYER_NORM_CONFIGS["bwd"]},
-                    ln_bwd_ptrs),
-        KernelBuild(_bias_gelu_fwd_kernel, dict(BIAS_GELU_CONFIGS["fwd"]), {"X": bf16, "B": bf16, "Y": bf16}),
-        KernelBuild(_bias_gelu_bwd_kernel, dict(BIAS_GELU_CONFIGS["bwd"]),
-                    {"X": bf16, "B": bf16, "DY": bf16, "DX": bf16, "DB_partial": fp32}),
-    ]
-    attn = {"HAS_MASK": True, "HEAD_DIM": 64, "INPUT_PRECISION": "tf32", "DOT_DTYPE": tl.bfloat16}
-    qkv = {"Q": bf16, "K": bf16, "V": bf16, "Mask": "i8"}
-    builds += [
-        KernelBuild(_attn_fwd_kernel, {**attn, **ATTENTION_CONFIGS["fwd"]}, {**qkv, "Out": bf16, "LSE": fp32},
-                    ("qk_scale",)),
-        KernelBuild(_attn_bwd_dkdv_kernel, {**attn, **ATTENTION_CONFIGS["bwd_dkdv"]},
-                    {**qkv, "DO": bf16, "LSE": fp32, "Delta": fp32, "DK": bf16, "DV": bf16}, ("qk_scale", "sm_scale")),
-        KernelBuild(_attn_bwd_dq_kernel, {**attn, **ATTENTION_CONFIGS["bwd_dq"]},
-                    {**qkv, "DO": bf16, "LSE": fp32, "Delta": fp32, "DQ": bf16}, ("qk_scale", "sm_scale")),
-    ]
-    return builds
+def kernel_builds(targets: Sequence[GPUTarget] = TARGETS, shapes: Sequence[ModelShape] | None = None,
+                  dtype: torch.dtype = torch.bfloat16, entries: Sequence[KernelEntry] = ENTRIES) -> list[Build]:
+    """Every distinct binary the runtime compiles for ``entries`` at ``shapes`` (default :func:`bert_shapes`), in
+    ``dtype`` (bf16: the training dtype), per target."""
+    shapes = bert_shapes() if shapes is None else shapes
+    builds: dict[tuple, Build] = {}
+    for entry in entries:
+        for shape in shapes:
+            with torch.enable_grad(), record_launches() as launches:
+                entry.launch(shape, dtype)
+            for launch in launches:
+                for target in targets:
+                    spec = specialize(launch, target)
+                    key = (target.arch, spec.key)
+                    seen = builds.get(key)
+                    if seen is None:
+                        builds[key] = Build(entry, spec, target, (shape.name,))
+                    elif shape.name not in seen.shapes:
+                        builds[key] = dataclasses.replace(seen, shapes=seen.shapes + (shape.name,))
+    return sorted(builds.values(), key=lambda b: b.target.arch)  # stable: launch order within a target
 
 
-def compile_kernel(build: KernelBuild, target: GPUTarget):
-    """``triton.compile`` one build for ``target``; returns the CompiledKernel (``asm["cubin"]`` etc.)."""
-    fn = build.kernel.compiled()
-    constexprs = {k: v for k, v in build.config.items() if k not in _LAUNCH_KEYS}
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in build.pointers:
-            signature[name] = "*" + build.pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in build.floats:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride_"):  # row strides are multiples of hidden/head_dim, as the JIT sees them
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({k: build.config[k] for k in _LAUNCH_KEYS if k in build.config})
-    return triton.compile(src, target=target, options=options.__dict__)
+def compile_build(build: Build):
+    """``triton.compile`` one build; returns the CompiledKernel (``asm["cubin"]``, ``asm["ptx"]``, ...)."""
+    problem = compiler_mode_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    return triton.compile(build.spec.source(), target=build.target, options=build.spec.options)
 
 
 def cuobjdump_path() -> str:
@@ -119,38 +257,143 @@ def cuobjdump_path() -> str:
     return path
 
 
-_USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
-
-
-def _resource_usage(cubin: bytes) -> tuple[int, int, int, int]:
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump_path(), "--dump-resource-usage", f.name], check=True,
-                             capture_output=True, text=True).stdout
-    match = _USAGE.search(out)
+        return subprocess.run([cuobjdump_path(), *flags, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS listing of a cubin (``cuobjdump -sass``)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+# "        /*0090*/                   @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;" -> "LDG.E.128"
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+_WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
+
+
+def sass_ops(listing: str) -> Counter:
+    """Opcode (with its modifiers, e.g. ``LDG.E.U16``) -> count in a SASS listing."""
+    return Counter(_INSTRUCTION.findall(listing))
+
+
+def _width(op: str) -> int:
+    widths = [_WIDTH[m] for m in op.split(".")[1:] if m in _WIDTH]
+    return widths[0] if widths else 32
+
+
+def _by_width(ops: Counter, bases: tuple[str, ...]) -> dict[int, int]:
+    out: Counter = Counter()
+    for op, n in ops.items():
+        if op.split(".")[0] in bases:
+            out[_width(op)] += n
+    return dict(sorted(out.items(), reverse=True))
+
+
+_USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """Resource usage and machine-code figures of one build."""
+
+    op: str
+    kernel: str
+    config: str
+    arch: int
+    shapes: tuple[str, ...]
+    divisible: tuple[str, ...]
+    reg: int
+    stack: int
+    shared: int
+    local: int
+    loads: dict  # width in bits -> global load instructions (LDG, LDGSTS)
+    stores: dict  # width in bits -> global store instructions (STG)
+    tensor_core_ops: int  # HMMA + HGMMA
+    local_ops: int  # LDL + STL: spill traffic
+    ops: dict  # every opcode -> count
+    problems: tuple[str, ...] = ()
+
+    @property
+    def spills(self) -> bool:
+        return self.stack > 0 or self.local > 0 or self.local_ops > 0
+
+
+def analyse(build: Build) -> KernelReport:
+    """Compile ``build`` and read its resource usage and SASS; ``problems`` lists every failed check."""
+    compiled = compile_build(build)
+    cubin = compiled.asm["cubin"]
+    match = _USAGE.search(_cuobjdump(cubin, "--dump-resource-usage"))
     if match is None:
-        raise RuntimeError(f"could not parse cuobjdump resource usage:\n{out}")
+        raise RuntimeError(f"could not parse cuobjdump resource usage of {build.kernel}")
     reg, stack, shared, local = (int(g) for g in match.groups())
-    return reg, stack, shared, local
+    shared = max(shared, compiled.metadata.shared)  # cuobjdump's SHARED is static only; triton allocates dynamically
+    ops = sass_ops(sass(cubin))
+    row = KernelReport(
+        op=build.entry.op, kernel=build.kernel, config=build.label, arch=build.target.arch, shapes=build.shapes,
+        divisible=build.divisible, reg=reg, stack=stack, shared=shared, local=local,
+        loads=_by_width(ops, ("LDG", "LDGSTS")), stores=_by_width(ops, ("STG",)),
+        tensor_core_ops=sum(n for op, n in ops.items() if op.split(".")[0] in ("HMMA", "HGMMA")),
+        local_ops=sum(n for op, n in ops.items() if op.split(".")[0] in ("LDL", "STL")), ops=dict(sorted(ops.items())))
+    problems = [f"spills: STACK={stack} LOCAL={local}, {row.local_ops} LDL/STL"] if row.spills else []
+    check = build.entry.checks.get(build.kernel)
+    if check is not None:
+        problems += check.problems(row)
+    return dataclasses.replace(row, problems=tuple(problems))
 
 
-def report(targets=TARGETS) -> list[ResourceUsage]:
-    """Compile every shipped build for every target and read its resource usage."""
-    rows = []
-    for build in kernel_builds():
-        for target in targets:
-            compiled = compile_kernel(build, target)
-            reg, stack, shared, local = _resource_usage(compiled.asm["cubin"])
-            # cuobjdump's SHARED is static shared memory only; triton allocates dynamically.
-            shared = max(shared, compiled.metadata.shared)
-            rows.append(ResourceUsage(build.kernel.__name__, build.label, target.arch, reg, stack, shared, local))
-    return rows
+def report(targets: Sequence[GPUTarget] = TARGETS) -> list[KernelReport]:
+    """Compile every shipped build for every target and analyse it."""
+    return [analyse(b) for b in kernel_builds(targets)]
 
 
-def format_report(rows: list[ResourceUsage]) -> str:
-    header = ("kernel", "config", "arch", "REG", "STACK", "LOCAL", "SHARED")
-    cells = [header] + [(r.kernel, r.config, f"sm_{r.arch}", str(r.reg), str(r.stack), str(r.local), str(r.shared))
-                        for r in rows]
+def controls(target: GPUTarget = TARGETS[0]) -> list[tuple[str, KernelReport]]:
+    """Builds each check must reject, with what they show: (what the variant is, its report with ``problems``).
+
+    - the memory-bound kernels as the AOT report built them before issue 10: ``N`` a plain i32, not marked
+      16-divisible as the JIT marks 768/1024/3072/4096, so the row masks cannot be proven 8-aligned;
+    - the attention forward on fp32 inputs (IEEE products: no tensor cores);
+    - the attention forward with BLOCK_M=128, BLOCK_N=64, the block size that spilled.
+    """
+    shape = bert_shapes()[:1]
+    out = []
+    for build in kernel_builds([target], shape, entries=ENTRIES[:2]):
+        if "HAS_RESIDUAL=False" not in build.label:
+            out.append((f"{build.kernel}, N not 16-divisible (AOT before issue 10)",
+                        analyse(build.with_changes(not_divisible=["N"]))))
+    attn = [e for e in ENTRIES if e.op == "attention"]
+    fp32 = [b for b in kernel_builds([target], shape, torch.float32, attn) if b.kernel == "_attn_fwd_kernel"]
+    out.append(("_attn_fwd_kernel, fp32 inputs (IEEE products)", analyse(fp32[0])))
+    bf16 = [b for b in kernel_builds([target], shape, entries=attn) if b.kernel == "_attn_fwd_kernel"]
+    out.append(("_attn_fwd_kernel, BLOCK_M=128 BLOCK_N=64",
+                analyse(bf16[0].with_changes(constexprs={"BLOCK_M": 128, "BLOCK_N": 64}))))
+    return out
+
+
+def _widths(counts: dict) -> str:
+    return ",".join(f"{w}x{n}" for w, n in counts.items()) or "-"
+
+
+def _shapes(names: Sequence[str]) -> str:
+    # "base-s128,base-s512,large-s128" -> "base,large-s128": a preset alone means all of its sequence lengths.
+    presets = {n.split("-")[0] for n in names}
+    seqs = {n.split("-", 1)[1] for n in names if "-" in n}
+    out = [p for p in sorted(presets) if all(f"{p}-{s}" in names for s in seqs)]
+    return ",".join(out + [n for n in names if n.split("-")[0] not in out])
+
+
+def format_report(rows: Sequence[KernelReport]) -> str:
+    """A table: resource usage, global loads/stores as width-in-bits x count, tensor-core instructions (MMA), and the
+    shapes each build serves."""
+    header = ("kernel", "config", "arch", "REG", "STACK", "LOCAL", "SHARED", "LOADS", "STORES", "MMA", "shapes")
+    cells = [header] + [(r.kernel, r.config, f"sm_{r.arch}", str(r.reg), str(r.stack), str(r.local), str(r.shared),
+                         _widths(r.loads), _widths(r.stores), str(r.tensor_core_ops), _shapes(r.shapes)) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+
+
+def report_json(rows: Sequence[KernelReport]) -> list[dict]:
+    """Rows as JSON-ready dicts (widths as string keys)."""
+    return json.loads(json.dumps([dataclasses.asdict(r) for r in rows]))

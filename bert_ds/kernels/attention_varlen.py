@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .attention import SUPPORTED_HEAD_DIMS, _dot_args
-from .jit import LateJIT
+from .jit import late_jit
 
 __all__ = ["VARLEN_ATTENTION_CONFIGS", "varlen_attention_torch", "varlen_attention_triton", "varlen_block_config"]
 
@@ -103,7 +103,8 @@ def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return out.transpose(1, 2).reshape(batch * max_seqlen, heads, head_dim).index_select(0, slots)
 
 
-@LateJIT
+# T (packed tokens) changes every step and only offsets rows: not specialised, one binary for every batch.
+@late_jit(do_not_specialize=["T"])
 def _varlen_fwd_kernel(
     Q, K, V, CuSeqlens, Out, LSE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -151,7 +152,7 @@ def _varlen_fwd_kernel(
     tl.store(LSE + h * T + start + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
-@LateJIT
+@late_jit(do_not_specialize=["T"])
 def _varlen_bwd_dkdv_kernel(
     Q, K, V, CuSeqlens, DO, LSE, Delta, DK, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,
@@ -202,7 +203,7 @@ def _varlen_bwd_dkdv_kernel(
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
-@LateJIT
+@late_jit(do_not_specialize=["T"])
 def _varlen_bwd_dq_kernel(
     Q, K, V, CuSeqlens, DO, LSE, Delta, DQ,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,

@@ -16,12 +16,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .jit import LateJIT
+from .jit import LateJIT, late_jit
 
 __all__ = ["LAYER_NORM_CONFIGS", "apex_available", "layer_norm_apex", "layer_norm_torch", "layer_norm_triton"]
 
-# Launch settings shipped for the Triton kernels; tools/kernel_report.py compiles exactly these.
+# Launch settings shipped for the Triton kernels; tools/kernel_report.py compiles what the runtime launches with them.
 # Rows per backward program: enough that the (programs, N) partial-sum buffer stays small.
+# Load width: BLOCK_N = 1024 over 4 warps gives each thread 8 contiguous elements, one 128-bit access in bf16, and the
+# accesses compile to 128-bit LDG/STG when N and the row strides are multiples of 16 (the JIT marks such integers
+# 16-divisible; BERT's 768 and 1024 are); other N take 16-bit accesses (tests/kernels/test_sass.py).
 LAYER_NORM_CONFIGS = {
     "fwd": {"num_warps": 4},
     "bwd": {"ROWS_PER_PROGRAM": 16, "num_warps": 4},
@@ -83,7 +86,9 @@ def _layer_norm_fwd_kernel(
     tl.store(Rstd + row, rstd)
 
 
-@LateJIT
+# The row count M changes from step to step (unpadded tokens, masked positions) and only masks whole rows, so it is
+# not specialised: one binary for every M, instead of a recompile whenever M happens to be a multiple of 16.
+@late_jit(do_not_specialize=["M"])
 def _layer_norm_bwd_kernel(
     X, R, DY, DX, W, Mean, Rstd, DW_partial, DB_partial,
     stride_x, stride_r, stride_dy, stride_dx, M, N,
