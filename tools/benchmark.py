@@ -56,7 +56,7 @@ def run(args) -> dict:
     data = _data(args) if need_data else {}
     preset = "tiny" if args.quick else "base"
     if "step" in args.only:
-        for seq, batch, repeats in ((128, 8, args.repeats), (512, 4, args.repeats)):
+        for seq, batch, repeats in ((128, 8, args.repeats), (512, 8, args.repeats)):
             print(f"==> step, seq {seq}: bert_ds vs transformers, BERT-{preset}, batch {batch}, {repeats} repeats",
                   flush=True)
             results[f"step{seq}"] = step_benchmark(data[f"train{seq}"], preset=preset, batch_size=batch,

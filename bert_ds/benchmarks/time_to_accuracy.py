@@ -22,11 +22,16 @@ from pathlib import Path
 __all__ = ["TARGET", "time_to_accuracy"]
 
 REPO = Path(__file__).resolve().parents[2]
-TARGET = 0.15
-"""Held-out masked-LM accuracy at seq 128: about 2.8x the unigram baseline of the demo's eval set (5.3%)."""
+TARGET = 0.13
+"""Held-out masked-LM accuracy at seq 128: 2.5x the unigram baseline of the demo's eval set (5.3%), a level both
+trainers reach from scratch within the budget (both level off near 14.4% by 1,500 steps: the tiny model's attention
+stays near uniform without ``make demo``'s seq-32 warm-up)."""
 STEPS = 1500
 EVAL_INTERVAL = 100
-HF_LR = 1e-3
+HF_LR = 2e-3
+"""The plain loop's best learning rate in a sweep over the full 1,500-step schedule (measured on this setting, eval
+every 100 steps): 5e-4 levels off at 11.3%, 1e-3 at 13.3%, 2e-3 reaches 13.3% at step 600 and 14.5% at best,
+4e-3 diverges (stays at the 5.3% unigram answer)."""
 _EVAL = re.compile(r"^eval step (\d+) \| mlm_accuracy ([0-9.]+)")
 
 
