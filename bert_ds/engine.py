@@ -28,12 +28,14 @@ log = logging.getLogger(__name__)
 
 
 def resolve_precision(requested: str, device_type: str) -> str:
-    """``auto`` -> bf16 on GPU, fp32 on CPU. Half precision on CPU is downgraded to fp32 (with a log line): DeepSpeed's
-    CPU path trains in fp32 and the CPU runs exist for correctness, which is compared in fp32."""
+    """``auto`` -> bf16 on GPU, fp32 on CPU. An explicit ``bf16`` runs as asked on CPU too (DeepSpeed 0.19's bf16
+    ZeRO-1/2 path runs on CPU ranks; ``tests/optim/test_lamb_bf16.py`` checks it against fp32); ``fp16`` on CPU is
+    refused before any compute, as DeepSpeed would refuse it ("Type fp16 is not supported on your device")."""
     if device_type == "cpu":
-        if requested in ("bf16", "fp16"):
-            log.warning("precision %s requested on CPU: training in fp32 instead", requested)
-        return "fp32"
+        if requested == "fp16":
+            raise ValueError("deepspeed.precision='fp16' is not supported on CPU (DeepSpeed refuses fp16 there); use "
+                             "'bf16', 'fp32' or 'auto' (fp32 on CPU, bf16 on GPU)")
+        return "fp32" if requested == "auto" else requested
     return "bf16" if requested == "auto" else requested
 
 

@@ -93,7 +93,10 @@ def bind_optimizer(engine) -> None:
 
     For ``ZeroAwareLamb`` under ZeRO 1/2 this binds the partition layout (exact per-tensor trust ratios); under
     stage 0 there is nothing to bind. Raises for ZeRO stage 3 and for DeepSpeed wrappers with an unknown flat
-    layout (fp16/bf16 without ZeRO, bf16 ZeRO-1 with fp32 gradient accumulation). No-op for other optimizers.
+    layout (bf16 ZeRO-1 with ``data_types.grad_accum_dtype`` fp32: BF16_Optimizer). fp16/bf16 without ZeRO never gets
+    here: DeepSpeed's FP16_UnfusedOptimizer steps the client optimizer inside ``deepspeed.initialize``, where
+    ZeroAwareLamb's unbound-step guard raises (``bert_ds.engine`` refuses that setup earlier). No-op for other
+    optimizers.
     """
     wrapped = engine.optimizer
     base = getattr(wrapped, "optimizer", wrapped)
@@ -108,4 +111,5 @@ def bind_optimizer(engine) -> None:
         base.bind_zero(wrapped)
         return
     raise UnsupportedZeroSetup(f"ZeroAwareLamb: DeepSpeed wraps it in {type(wrapped).__name__} (ZeRO stage {stage}), "
-                              "whose flat layout is not supported; use ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer)")
+                              "whose flat layout is not supported; use ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer; "
+                              "with bf16, leave data_types.grad_accum_dtype unset)")

@@ -260,9 +260,13 @@ class ZeroAwareLamb(Optimizer):
                 if p.grad is None:
                     continue
                 if id(p) not in self._registered:
+                    # DeepSpeed's fp16/bf16 wrapper without ZeRO (FP16_UnfusedOptimizer) swaps in fp32 copies and
+                    # steps once inside deepspeed.initialize, before bind_optimizer could refuse it: say so here.
                     raise RuntimeError("ZeroAwareLamb: its params were replaced (a DeepSpeed ZeRO flat partition?) but "
                                        "the optimizer is not bound; call bert_ds.optim.bind_optimizer(engine) after "
-                                       "deepspeed.initialize, or trust ratios would be per slice, not per tensor")
+                                       "deepspeed.initialize, or trust ratios would be per slice, not per tensor. "
+                                       "Raised inside deepspeed.initialize, this is DeepSpeed's fp16/bf16 wrapper "
+                                       "without ZeRO, which ZeroAwareLamb does not support: use ZeRO stage 1 or 2")
                 if p.grad.is_sparse:
                     raise RuntimeError("ZeroAwareLamb does not support sparse gradients")
                 u = self._moments_and_update(p, p.grad, self.state[p], group)

@@ -31,7 +31,10 @@ def test_precision_resolution():
     assert resolve_precision("auto", "cuda") == "bf16"
     assert resolve_precision("fp16", "cuda") == "fp16"
     assert resolve_precision("auto", "cpu") == "fp32"
-    assert resolve_precision("bf16", "cpu") == "fp32"  # downgraded with a log line
+    assert resolve_precision("bf16", "cpu") == "bf16"  # DeepSpeed runs bf16 ZeRO-1/2 on CPU (test_lamb_bf16.py)
+    assert resolve_precision("fp32", "cpu") == "fp32"
+    with pytest.raises(ValueError, match="fp16.*not supported on CPU"):
+        resolve_precision("fp16", "cpu")
 
 
 def test_tags_and_retention(tmp_path):

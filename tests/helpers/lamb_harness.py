@@ -1,6 +1,7 @@
 """Shared pieces of the optimizer tests: a tiny model with awkward shapes, its data, a float64 LAMB reference,
-the naive flat-slice LAMB, and launchers for real DeepSpeed CPU ranks (gloo): ``lamb_zero_worker`` (the tiny model)
-and ``lamb_engine_worker`` (bert_ds's engine on real text)."""
+the naive flat-slice LAMB, and launchers for real DeepSpeed CPU ranks (gloo): ``lamb_zero_worker`` (the tiny model),
+``lamb_engine_worker`` (bert_ds's engine on real text) and this module's own worker for the same engine runs in fp32 or
+DeepSpeed's bf16 mode (``launch_precision_runs``; ``python -m tests.helpers.lamb_harness`` is one of its ranks)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.helpers import HANG_GUARD_S, child_env
 ROOT = Path(__file__).resolve().parents[2]
 ZERO_WORKER = "tests.helpers.lamb_zero_worker"
 ENGINE_WORKER = "tests.helpers.lamb_engine_worker"
+PRECISION_WORKER = "tests.helpers.lamb_harness"  # this module is the worker of launch_precision_runs
 
 GLOBAL_BATCH = 8
 SEQ = 5
@@ -217,3 +219,137 @@ def max_rel_diff_excluding(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
     diffs = {n: max_rel_diff({n: a[n]}, {n: b[n]}) for n in kept}
     worst = max(diffs, key=diffs.get)
     return diffs[worst], worst
+
+
+# ------------------------------------------------------------------------------------- mixed precision (bf16) runs
+PRECISION_FAULTS = ("nocopy", "noreduce")
+"""Deliberate bugs a precision job can inject into the bound ZeroAwareLamb, to show its test can fail: ``nocopy``
+skips the bit16 re-copy after the deferred update (the model's bit16 copy of every param group but the last keeps the
+weights of before the step), ``noreduce`` skips the all-reduce of the partial norms (one trust ratio per rank slice,
+DeepSpeed issue #88)."""
+
+
+def _precision_job(job: str) -> tuple[str, int, str, str | None]:
+    """``<fp32|bf16>-z<stage>-<trust_ratio>[-<fault>]`` -> (precision, stage, trust_ratio, fault)."""
+    precision, stage, trust_ratio, *fault = job.split("-")
+    if precision not in ("fp32", "bf16") or stage not in ("z1", "z2") or len(fault) > 1 or (
+            fault and fault[0] not in PRECISION_FAULTS):
+        raise ValueError(f"precision job {job!r}: expected <fp32|bf16>-z<1|2>-<trust_ratio>[-<fault in "
+                         f"{PRECISION_FAULTS}>]")
+    return precision, int(stage[1:]), trust_ratio, (fault[0] if fault else None)
+
+
+def _bit16_mismatches(zero_optimizer) -> int:
+    """Elements of this rank's bit16 partitions that differ from its fp32 master partitions rounded to bit16."""
+    from bert_ds.deepspeed_internals import zero_partition_map
+
+    return sum(int((g.bit16_partition != g.flat.to(g.bit16_partition.dtype)).sum())
+               for g in zero_partition_map(zero_optimizer).groups)
+
+
+def run_precision_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Path) -> None:
+    """One precision job on this rank (see :func:`launch_precision_runs`)."""
+    import dataclasses
+    import os
+
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    import bert_ds.engine
+    from bert_ds.data.index import vocab_sha256
+    from bert_ds.data.loader import build_loader
+    from tests.helpers.lamb_engine_worker import MODEL_INPUTS, job_recipe
+
+    precision, stage, trust_ratio, fault = _precision_job(job)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    recipe = job_recipe(f"z{stage}-clip-{trust_ratio}")
+    recipe = dataclasses.replace(recipe, deepspeed=dataclasses.replace(recipe.deepspeed, precision=precision))
+    phase = recipe.phases[0]
+    vocab_size = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
+    model = bert_ds.engine.build_model(recipe, recipe.model_config(vocab_size))
+    init = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    te = bert_ds.engine.build_engine(recipe, 0, model, world)  # an explicit bf16 runs as bf16 on CPU ranks too
+    assert te.precision == precision, (te.precision, precision)
+    zero = te.engine.optimizer
+    layout = zero.optimizer.zero_layout
+    if fault == "nocopy":
+        for group in layout.groups:
+            group.bit16_partition = None
+    elif fault == "noreduce":
+        layout.world_size = 1
+    loader = build_loader(data_dir, global_batch_size=phase.global_batch_size, micro_batch_size=phase.micro_batch_size,
+                          rank=rank, world_size=world, seed=recipe.seed, num_workers=0,
+                          expected_seq_len=phase.seq_len, expected_vocab_sha256=vocab_sha256(vocab),
+                          max_predictions=phase.max_predictions)
+    batches = iter(loader)
+    record: dict = {"losses": [], "grad_norms": [], "bit16_mismatches": []}
+    for _ in range(steps):
+        losses = []
+        for _ in range(te.accumulation):
+            batch = next(batches)
+            loss = te.engine(**{k: batch[k] for k in MODEL_INPUTS}).loss
+            te.engine.backward(loss)
+            te.engine.step()
+            losses.append(float(loss))
+        record["losses"].append(sum(losses) / len(losses))
+        record["grad_norms"].append(te.grad_norm())
+        record["bit16_mismatches"].append(_bit16_mismatches(zero))
+    # Every rank: the model's (all-gathered) params against the full fp32 master rounded to the model's dtype.
+    model_params = dict(te.engine.module.named_parameters())
+    master = {n: safe_get_full_fp32_param(p) for n, p in model_params.items()}
+    record["param_dtypes"] = sorted({str(p.dtype) for p in model_params.values()})
+    record["model_vs_master_mismatches"] = {n: int((p.data != master[n].to(p.dtype)).sum())
+                                            for n, p in model_params.items()}
+    d = out / job
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.json").write_text(json.dumps(record))
+    if rank == 0:
+        torch.save({"master": {n: t.double() for n, t in master.items()}, "init": init}, d / "params.pt")
+    te.engine.destroy()
+
+
+def launch_precision_runs(world_size: int, out_dir: Path, jobs: list[str], steps: int, data: Path,
+                          vocab: Path) -> dict[str, dict]:
+    """Run precision jobs on ``world_size`` CPU ranks, in one process per rank (this module is their worker).
+
+    A job ``<fp32|bf16>-z<1|2>-<trust_ratio>[-<fault>]`` is ``lamb_engine_worker``'s ``z<stage>-clip-<trust_ratio>``
+    (tiny_cpu, dropout 0, gradient clipping 1.0, the first ``steps`` steps of phase 1 on real text) built by
+    ``bert_ds.engine.build_engine`` with ``deepspeed.precision`` set (``bf16`` is DeepSpeed's ``"bf16": {"enabled":
+    true}``: bf16 model and gradients, fp32 master weights in ZeRO's partitions), with a ``PRECISION_FAULTS`` fault.
+
+    Returns ``{job: {"ranks": [per-rank record], "master": the full fp32 master weights after the last step, "init":
+    the initial weights (both fp64)}}``. A rank's record has per-step ``losses`` (mean over its
+    micro-batches), ``grad_norms``, ``bit16_mismatches`` (elements of its bit16 partitions that differ from its fp32
+    partitions rounded to bit16, after each step), the model's ``param_dtypes`` and, after the last step,
+    ``model_vs_master_mismatches`` per param (the model's params against the full fp32 master rounded to their dtype).
+    """
+    for job in jobs:
+        _precision_job(job)
+    run_ranks(world_size, out_dir, PRECISION_WORKER, [f"--out={out_dir}", f"--jobs={','.join(jobs)}",
+                                                      f"--steps={steps}", f"--data={data}", f"--vocab={vocab}"])
+    results = {}
+    for job in jobs:
+        saved = torch.load(out_dir / job / "params.pt")
+        results[job] = {"ranks": [json.loads((out_dir / job / f"rank{r}.json").read_text())
+                                  for r in range(world_size)], **saved}
+    return results
+
+
+def _precision_worker_main() -> None:
+    import argparse
+
+    import deepspeed
+
+    ap = argparse.ArgumentParser(description="precision jobs of launch_precision_runs, one rank per process")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--jobs", required=True, help="comma-separated job names, run in order")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--data", type=Path, required=True, help="a seq-128 shard set")
+    ap.add_argument("--vocab", type=Path, required=True, help="the shard set's vocab.txt")
+    args = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    for job in args.jobs.split(","):
+        run_precision_job(job, args.steps, args.data, args.vocab, args.out)
+
+
+if __name__ == "__main__":
+    _precision_worker_main()
