@@ -135,7 +135,7 @@ class DeepSpeedSection:
     zero_stage: int = 2
     precision: str = "auto"
     """``auto``: bf16 on GPU, fp32 on CPU. ``fp16`` uses dynamic loss scaling unless ``loss_scale`` > 0.
-    Half precision requested on CPU is downgraded to fp32 with a log line."""
+    An explicit ``bf16`` also runs on CPU ranks (DeepSpeed's bf16 ZeRO-1/2 path); ``fp16`` on CPU is refused."""
     loss_scale: float = 0.0
     """fp16 only: 0 = dynamic loss scaling, > 0 = this static scale."""
     initial_scale_power: int = 16

@@ -171,7 +171,7 @@ def test_lamb_without_zero_refuses_half_precision_before_compute(precision):
     recipe = Recipe.from_dict(data)
     with pytest.raises(ValueError, match=r"optimizer.name='lamb' with deepspeed.zero_stage=0 and deepspeed.precision"):
         check_optimizer_support(recipe, precision)
-    check_optimizer_support(recipe, "fp32")  # what the CPU downgrade resolves to: fine
+    check_optimizer_support(recipe, "fp32")  # fp32 without ZeRO: fine
     data["deepspeed"]["zero_stage"] = 2
     check_optimizer_support(Recipe.from_dict(data), precision)
     data["deepspeed"]["zero_stage"], data["optimizer"] = 0, {"name": "adamw"}
