@@ -96,17 +96,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"),
                         help="JSON results (default benchmark.json)")
     parser.add_argument("--markdown", default="BENCHMARKS.md", help="Markdown report path ('' for none)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other sections of an existing --out file: re-measure only --only's")
     args = parser.parse_args(argv)
     if bool(args.shards128) != bool(args.shards512):
         parser.error("--shards128 and --shards512 go together")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    previous = {}
+    if args.update:
+        if not args.out.is_file():
+            parser.error(f"--update: {args.out} does not exist (run without --update first)")
+        previous = json.loads(args.out.read_text())
     args.work.mkdir(parents=True, exist_ok=True)
-    results = run(args)
     command = "python tools/benchmark.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
-    results["command"] = command
+    results = {**previous, **run(args)}
+    results["commands"] = [*previous.get("commands", []), command]
     args.out.write_text(json.dumps(results, indent=1) + "\n")
-    text = render(results, command)
+    text = render(results, results["commands"])
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)

@@ -119,11 +119,12 @@ SECTIONS = (
 )
 
 
-def render(results: dict, command: str) -> str:
-    """Markdown: what ran (command, machine), then one table per section present in ``results``."""
+def render(results: dict, commands: list[str]) -> str:
+    """Markdown: what ran (commands, machine), then one table per section present in ``results``."""
     m = results["machine"]
+    ran = "`" + commands[0] + "`" + "".join(f", then `{c}` (those sections re-measured)" for c in commands[1:])
     lines = ["# Benchmarks", "",
-             f"Produced by `{command}` on {m['cpus']} CPU cores ({m['cpu']}), torch {m['torch']} with "
+             f"Produced by {ran} on {m['cpus']} CPU cores ({m['cpu']}), torch {m['torch']} with "
              f"{m['torch_threads']} threads, load average {m['load_average_1m']:.1f} at the start. "
              "Every figure is measured in the same run as its baseline. Numbers depend on the machine and its load; "
              "the ratios are what carries over.", ""]
