@@ -137,3 +137,23 @@ def test_bad_shapes_are_refused_with_the_shapes_named():
     with pytest.raises(ValueError, match="cu_seqlens"):
         varlen_attention_torch(q, k, v, cu.float(), 8)
 
+
+
+def test_block_size_buckets_change_only_rounding(monkeypatch):
+    """The per-length block sizes are a speed choice: every bucket's configuration gives the same result (fp32) on
+    the same batch, forward and backward."""
+    import bert_ds.kernels.attention_varlen as varlen
+
+    lengths = [100, 31, 64]
+    q, k, v, do, cu = _packed(lengths, heads=2, dtype=torch.float32, seed=11)
+    results = []
+    for bucket, config in varlen.VARLEN_ATTENTION_CONFIGS.items():
+        monkeypatch.setattr(varlen, "varlen_block_config", lambda max_seqlen, config=config: config)
+        results.append((bucket, *grads_of(lambda q, k, v: varlen_attention(q, k, v, cu, 100, backend="triton"),
+                                          [q, k, v], do)))
+    (_, out0, grads0), *others = results
+    for bucket, out, grads in others:
+        torch.testing.assert_close(out, out0, rtol=1e-5, atol=1e-6, msg=lambda m, b=bucket: f"bucket {b}: {m}")
+        for g, g0 in zip(grads, grads0, strict=True):
+            torch.testing.assert_close(g, g0, rtol=1e-5, atol=1e-6)
+    assert len(results) == len(varlen.VARLEN_ATTENTION_CONFIGS) >= 2
