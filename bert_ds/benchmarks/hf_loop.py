@@ -21,16 +21,9 @@ import time
 
 import torch
 
+from bert_ds.benchmarks.step import dense_labels
+
 __all__ = ["main"]
-
-
-def _dense_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    ids, positions = batch["masked_lm_ids"], batch["masked_lm_positions"]
-    dense = torch.full_like(batch["input_ids"], -100)
-    valid = ids != -100
-    rows = torch.arange(ids.shape[0])[:, None].expand_as(ids)
-    dense[rows[valid], positions[valid]] = ids[valid]
-    return dense
 
 
 @torch.no_grad()
@@ -40,7 +33,7 @@ def _evaluate(model, loader) -> tuple[float, int]:
     for batch in loader:
         logits = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                        attention_mask=batch["attention_mask"]).prediction_logits
-        labels = _dense_labels(batch)
+        labels = dense_labels(batch)
         chosen = labels != -100
         correct += int((logits[chosen].argmax(-1) == labels[chosen]).sum())
         total += int(chosen.sum())
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for step, batch in zip(range(1, args.steps + 1), loader, strict=False):
         out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                    attention_mask=batch["attention_mask"], labels=_dense_labels(batch),
+                    attention_mask=batch["attention_mask"], labels=dense_labels(batch),
                     next_sentence_label=batch["next_sentence_label"])
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

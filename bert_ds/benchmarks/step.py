@@ -22,7 +22,7 @@ from bert_ds.config import model_preset
 from bert_ds.data.loader import build_loader
 from bert_ds.model import BertForPreTraining
 
-__all__ = ["real_batches", "step_benchmark"]
+__all__ = ["FIELDS", "dense_labels", "real_batches", "step_benchmark"]
 
 FIELDS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
           "next_sentence_label")
@@ -35,7 +35,7 @@ def real_batches(data_dir: Path, batch_size: int, count: int, seed: int = 0) -> 
     return [batch for _, batch in zip(range(count), loader, strict=False)]
 
 
-def _dense_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def dense_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """transformers' label layout: (B, S), the original id at each masked position, -100 elsewhere."""
     ids, positions = batch["masked_lm_ids"], batch["masked_lm_positions"]
     dense = torch.full_like(batch["input_ids"], -100)
@@ -69,7 +69,7 @@ def step_benchmark(data_dir: Path, *, preset: str = "base", batch_size: int = 8,
     seq_len = batches[0]["input_ids"].shape[1]
     vocab_needed = max(int(b["input_ids"].max()) for b in batches) + 1
     ours, theirs = _models(preset, vocab_needed)
-    dense = [_dense_labels(b) for b in batches]
+    dense = [dense_labels(b) for b in batches]
 
     def step_ours(i: int) -> None:
         b = batches[i]

@@ -57,6 +57,11 @@ def _rank_main(preset: str, stage: int) -> None:
     params = sum(p.numel() for p in engine.module.parameters())
     print(_MARK + json.dumps({"rank": rank, "world_size": world, "stage": stage, "params": params,
                               "master_bytes": master, "moment_bytes": moments}), flush=True)
+    # Leave the process group together: a rank exiting while gloo threads still run aborts ("terminate called
+    # without an active exception").
+    torch.distributed.barrier()
+    engine.destroy()
+    torch.distributed.destroy_process_group()
 
 
 def _free_port() -> int:
