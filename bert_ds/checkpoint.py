@@ -33,7 +33,7 @@ Safety and durability:
   same ``--output``, naming the holder; the kernel drops the lock of a dead process, so a stale one is taken over.
 * A save that fails on any rank (disk full: ``OSError`` / torch's ``RuntimeError``) is agreed on by all ranks, its
   ``<tag>.tmp`` removed, ``latest`` and the previous tags left as they were, and one :class:`CheckpointSaveError`
-  naming the directory and the space needed is raised (a ValueError: ``bert_ds.pretrain`` exits 2).
+  naming the directory and the space needed is raised (a ValueError: ``bert_ds.runtime.pretrain`` exits 2).
 * Files of a tag, then the tag directory, then ``latest`` (temp file, fsync, rename, fsync of the directory) reach the
   disk in that order, so after a power loss ``latest`` never names data that was not written.
 * Pruning renames a tag to ``.<tag>.deleting`` before deleting it; :func:`remove_debris` (start of every save, and when
@@ -476,7 +476,7 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
     ``tag`` (replacing an older one) and then moves ``latest``, so a crash at any point leaves ``latest`` naming a
     complete checkpoint. Older tags beyond ``keep_last_k`` (phase ends excepted) are pruned afterwards.
     """
-    from bert_ds.distributed import sigchld_deferred
+    from bert_ds.runtime.distributed import sigchld_deferred
 
     with sigchld_deferred():
         return _save_checkpoint(engine, run_dir, tag, run_state, keep_last_k)

@@ -2,7 +2,7 @@
 
 A recipe fixes everything that decides the numbers a run produces (model, optimizer, phases, precision). Batch sizes
 live only in the phases; DeepSpeed's ``train_batch_size`` / ``gradient_accumulation_steps`` are derived from them
-in :mod:`bert_ds.engine`, which refuses inconsistent values.
+in :mod:`bert_ds.runtime.engine`, which refuses inconsistent values.
 """
 
 from __future__ import annotations

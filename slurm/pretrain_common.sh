@@ -28,7 +28,7 @@ echo "bert_ds: $SLURM_JOB_NUM_NODES node(s) x $tasks_per_node task(s) = $SLURM_N
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
-# The same rule as bert_ds.launch.slurm_master_port: every task of the job agrees on it without talking.
+# The same rule as bert_ds.runtime.launch.slurm_master_port: every task of the job agrees on it without talking.
 export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
@@ -39,7 +39,7 @@ forward() { [ -n "$srun_pid" ] && kill -USR1 "$srun_pid" 2>/dev/null; }
 trap forward USR1 TERM
 
 # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
-srun --kill-on-bad-exit=1 "$PYTHON" -m bert_ds.pretrain --recipe "$RECIPE" --data "$DATA128" "$DATA512" \
+srun --kill-on-bad-exit=1 "$PYTHON" -m bert_ds.runtime.pretrain --recipe "$RECIPE" --data "$DATA128" "$DATA512" \
     --tokenizer "$TOKENIZER" --output "$RUN_DIR" --phase "$PHASE" --resume auto $EXTRA_ARGS &
 srun_pid=$!
 # `wait` returns early when a trapped signal arrives; wait again until srun itself has finished.

@@ -81,8 +81,8 @@ def shard_reader():
 @pytest.fixture(scope="session", autouse=True)
 def _release_leaked_deepspeed_shm():
     """Ranks the tests kill (-9, SIGTERM) cannot unlink DeepSpeed's CPU all-reduce buffers in /dev/shm, which is RAM:
-    remove the ones this session created, so a long suite does not fill memory (bert_ds.distributed.release_shm_buffers
-    does this for runs that end normally)."""
+    remove the ones this session created, so a long suite does not fill memory
+    (bert_ds.runtime.distributed.release_shm_buffers does this for runs that end normally)."""
     import time
 
     start = time.time() - 1

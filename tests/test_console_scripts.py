@@ -20,7 +20,7 @@ SCRIPTS = {
     "bert-ds-train-tokenizer": "train_tokenizer.py",
     "bert-ds-create-shards": "create_shards.py",
     "bert-ds-verify-shards": "verify_shards.py",
-    "bert-ds-pretrain": None,  # run as `python -m bert_ds.pretrain` or through the deepspeed launcher
+    "bert-ds-pretrain": None,  # run as `python -m bert_ds.runtime.pretrain` or through the deepspeed launcher
     "bert-ds-evaluate": "evaluate.py",
     "bert-ds-convert-checkpoint": "convert_checkpoint.py",
     "bert-ds-finetune": "finetune.py",

@@ -1,5 +1,5 @@
-"""The private DeepSpeed names bert_ds relies on (all in ``bert_ds/deepspeed_internals.py``) exist on the installed
-DeepSpeed, read from its class sources without starting ranks; and an unsupported version is refused."""
+"""The private DeepSpeed names bert_ds relies on (all in ``bert_ds/runtime/deepspeed_internals.py``) exist on the
+installed DeepSpeed, read from its class sources without starting ranks; and an unsupported version is refused."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from bert_ds import deepspeed_internals as dsi
+from bert_ds.runtime import deepspeed_internals as dsi
 
 
 def class_source(cls: type) -> str:
@@ -27,7 +27,7 @@ def assigns(source: str, attr: str) -> bool:
 def test_zero_optimizer_sets_attribute(attr):
     assert assigns(class_source(DeepSpeedZeroOptimizer), attr), (
         f"DeepSpeedZeroOptimizer of deepspeed {deepspeed.__version__} no longer sets self.{attr}; "
-        f"update bert_ds/deepspeed_internals.py")
+        f"update bert_ds/runtime/deepspeed_internals.py")
 
 
 @pytest.mark.parametrize("attr", dsi.ZERO3_OPTIMIZER_ATTRIBUTES)
@@ -75,7 +75,7 @@ def test_unsupported_version_is_refused(monkeypatch, version):
 
 
 def test_build_engine_checks_the_version_first(monkeypatch):
-    from bert_ds.engine import build_engine
+    from bert_ds.runtime.engine import build_engine
 
     monkeypatch.setattr(deepspeed, "__version__", "0.16.0")
     with pytest.raises(ValueError, match="deepspeed 0.16.0 is installed"):

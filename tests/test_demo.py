@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.demo import (
+from bert_ds.devtools.demo import (
     DEMO_RECIPE,
     MARKER,
     WARMUP_RECIPE,

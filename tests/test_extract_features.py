@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from bert_ds.features import FeatureSpec, extract_features
+from bert_ds.downstream.features import FeatureSpec, extract_features
 from tests.helpers.hf_export import random_tiny_export
 
 REPO = Path(__file__).resolve().parents[1]

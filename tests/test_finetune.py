@@ -30,7 +30,7 @@ import pytest
 import transformers
 
 from bert_ds.data.english_corpus import LICENSES
-from bert_ds.finetune import METRICS_NAME
+from bert_ds.downstream.finetune import METRICS_NAME
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.hf_export import random_tiny_export
 
@@ -197,8 +197,8 @@ def test_token_classification_learns(export_dir, documents, tmp_path):
 def test_modules_do_not_import_deepspeed():
     # Fine-tuning and feature extraction need only the export. (accelerate, under Trainer, may still import
     # deepspeed when it is installed; that is its choice, not a dependency of these modules.)
-    code = "import sys, bert_ds.finetune, bert_ds.features; print(sorted(m for m in sys.modules if " \
-           "m.split('.')[0] == 'deepspeed'))"
+    code = ("import sys, bert_ds.downstream.finetune, bert_ds.downstream.features; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S,
                             cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.gpu_check import jit_matches_aot, record_jit_compiles
+from bert_ds.devtools.gpu_check import jit_matches_aot, record_jit_compiles
 from tests.helpers import HANG_GUARD_S, child_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,8 +2,8 @@
 
 * Importing the model, the data path, the run directory reader, the exporter or evaluation does not import deepspeed
   (checked in a fresh interpreter): those run on machines and in processes without a DeepSpeed process group.
-* ``bert_ds/model`` never imports ``bert_ds.export``, ``bert_ds.engine`` or ``deepspeed``: the model is single-device
-  and the Hugging Face import/export sits above it (``bert_ds.export.hf.load_hf_pretrained``).
+* ``bert_ds/model`` never imports ``bert_ds.export``, ``bert_ds.runtime.engine`` or ``deepspeed``: the model is
+  single-device and the Hugging Face import/export sits above it (``bert_ds.export.hf.load_hf_pretrained``).
 * ``bert_ds/data`` follows its pipeline: a module imports its own stage or earlier ones, never a later one (the order
   is :data:`DATA_STAGES`). Function-level imports count too.
 * ``bert_ds.checkpoint`` owns the run directory; export and evaluation call it, never the other way round.
@@ -42,7 +42,7 @@ DATA_STAGES = {
 create/reader -> loader. Modules of the same stage may import each other; none imports a later stage."""
 
 NO_DEEPSPEED = ["bert_ds.model", "bert_ds.data", "bert_ds.data.create", "bert_ds.data.loader", "bert_ds.export",
-                "bert_ds.checkpoint", "bert_ds.evaluate", "bert_ds.finetune", "bert_ds.features"]
+                "bert_ds.checkpoint", "bert_ds.evaluate", "bert_ds.downstream.finetune", "bert_ds.downstream.features"]
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -85,14 +85,14 @@ def test_the_static_scan_sees_nested_and_relative_imports():
               "from ..export.hf import load_hf_pretrained\n"
               "def f():\n"
               "    import deepspeed.comm as dist\n"
-              "    from bert_ds.engine import build_model\n")
+              "    from bert_ds.runtime.engine import build_model\n")
     found = imported_modules(source, "bert_ds.model")
-    assert {"os", "bert_ds.model.heads", "bert_ds.export.hf", "deepspeed.comm", "bert_ds.engine"} <= found
+    assert {"os", "bert_ds.model.heads", "bert_ds.export.hf", "deepspeed.comm", "bert_ds.runtime.engine"} <= found
 
 
 def test_the_deepspeed_probe_sees_deepspeed():
     # The engine wires DeepSpeed in: the probe below must report it there, or its empty answers would mean nothing.
-    assert "deepspeed" in _deepspeed_modules_after_import("bert_ds.engine")
+    assert "deepspeed" in _deepspeed_modules_after_import("bert_ds.runtime.engine")
 
 
 @pytest.mark.parametrize("module", NO_DEEPSPEED)
@@ -101,7 +101,7 @@ def test_importing_does_not_import_deepspeed(module):
 
 
 def test_the_model_imports_neither_export_nor_engine_nor_deepspeed():
-    forbidden = ("bert_ds.export", "bert_ds.engine", "bert_ds.pretrain", "deepspeed")
+    forbidden = ("bert_ds.export", "bert_ds.runtime.engine", "bert_ds.runtime.pretrain", "deepspeed")
     bad = {path.name: sorted(n for n in _imports_of(path) if _under(n, forbidden))
            for path in sorted((PACKAGE / "model").glob("*.py"))}
     assert {name: names for name, names in bad.items() if names} == {}
@@ -122,7 +122,7 @@ def test_data_modules_import_only_their_own_or_earlier_stages():
 
 
 def test_the_run_directory_owner_does_not_import_its_readers():
-    readers = ("bert_ds.export", "bert_ds.evaluate", "bert_ds.engine", "bert_ds.pretrain")
+    readers = ("bert_ds.export", "bert_ds.evaluate", "bert_ds.runtime.engine", "bert_ds.runtime.pretrain")
     assert sorted(n for n in _imports_of(PACKAGE / "checkpoint.py") if _under(n, readers)) == []
 
 

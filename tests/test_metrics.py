@@ -3,7 +3,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from bert_ds.config import BertConfig, model_preset
-from bert_ds.metrics import (
+from bert_ds.runtime.metrics import (
     MetricsLogger,
     detect_peak_tflops,
     forward_flops_per_sequence,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.engine import check_optimizer_support, deepspeed_config
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, load_recipe, resume_blockers
+from bert_ds.runtime.engine import check_optimizer_support, deepspeed_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
 

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bert_ds.benchmarks.report import machine, render  # noqa: E402
+from bert_ds.devtools.benchmarks.report import machine, render  # noqa: E402
 
 SECTIONS = ("step", "flops", "zero", "create", "loader", "tta")
 
@@ -33,7 +33,7 @@ SECTIONS = ("step", "flops", "zero", "create", "loader", "tta")
 def _data(args) -> dict[str, Path]:
     if args.shards128 and args.shards512:
         return {"train128": args.shards128, "train512": args.shards512}
-    from bert_ds.demo import DemoSettings, prepare_data
+    from bert_ds.devtools.demo import DemoSettings, prepare_data
 
     return prepare_data(args.work, DemoSettings())
 
@@ -47,9 +47,9 @@ def _tool_json(tool: str, extra: list[str]) -> object:
 
 
 def run(args) -> dict:
-    from bert_ds.benchmarks.flops import flop_check
-    from bert_ds.benchmarks.step import step_benchmark
-    from bert_ds.benchmarks.zero_state import zero_state_bytes
+    from bert_ds.devtools.benchmarks.flops import flop_check
+    from bert_ds.devtools.benchmarks.step import step_benchmark
+    from bert_ds.devtools.benchmarks.zero_state import zero_state_bytes
 
     results: dict = {"machine": machine()}
     need_data = set(args.only) & {"step", "flops", "loader", "tta"}
@@ -76,7 +76,7 @@ def run(args) -> dict:
         results["loader"] = _tool_json("bench_loader.py", ["--data-dir", str(data["train128"]), "--batches",
                                                            "20" if args.quick else "300", "--micro-batch-size", "32"])
     if "tta" in args.only:
-        from bert_ds.benchmarks.time_to_accuracy import time_to_accuracy
+        from bert_ds.devtools.benchmarks.time_to_accuracy import time_to_accuracy
 
         print("==> tta: time to held-out masked-LM accuracy, bert_ds vs a plain transformers loop", flush=True)
         results["tta"] = time_to_accuracy(data, args.work / "tta", quick=args.quick)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bert_ds.demo import MIN_RATIO, DemoError, NotDemoDirectory, run_demo
+from bert_ds.devtools.demo import MIN_RATIO, DemoError, NotDemoDirectory, run_demo
 
 
 def main(argv: list[str] | None = None) -> int:

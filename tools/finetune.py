@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Fine-tune an exported model with transformers' Trainer: thin CLI over ``bert_ds.finetune.main`` (installed as
-``bert-ds-finetune``).
+"""Fine-tune an exported model with transformers' Trainer: thin CLI over ``bert_ds.downstream.finetune.main``
+(installed as ``bert-ds-finetune``).
 
     python tools/finetune.py --model hf_model --train train.csv --validation dev.csv --out finetuned \\
         [--task sequence|token] [--text-column text] [--text-pair-column text_b] [--label-column label]
@@ -10,7 +10,7 @@ Writes the fine-tuned model (labels in config.json's id2label), its tokenizer an
 
 import sys
 
-from bert_ds.finetune import main
+from bert_ds.downstream.finetune import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,14 +5,14 @@
 
 Needs only PyTorch and Triton. Without a GPU it runs what it can (kernels under the Triton interpreter, a tiny-model
 training step, the ahead-of-time machine-code checks), lists the GPU items as skipped and exits 0 when that passes.
-Exit status 1 when an item fails. See bert_ds/gpu_check.py for what each item measures.
+Exit status 1 when an item fails. See bert_ds/devtools/gpu_check.py for what each item measures.
 """
 
 from __future__ import annotations
 
 import sys
 
-from bert_ds.gpu_check import main
+from bert_ds.devtools.gpu_check import main
 
 if __name__ == "__main__":
     sys.exit(main())

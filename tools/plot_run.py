@@ -21,7 +21,7 @@ from pathlib import Path
 __all__ = ["PANELS", "PlotResult", "find_event_dir", "main", "plot_run", "read_scalars"]
 
 # (title, y label, [(tag, legend label, style)]); style "line" for per-interval training points, "marker" for the
-# sparse eval points. Tags are the ones bert_ds.metrics.MetricsLogger writes.
+# sparse eval points. Tags are the ones bert_ds.runtime.metrics.MetricsLogger writes.
 PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Loss", "loss", [("train/loss", "train total", "line"), ("train/mlm_loss", "train masked LM", "line"),
                       ("train/nsp_loss", "train NSP", "line"), ("eval/mlm_loss", "eval masked LM", "marker")]),

@@ -95,7 +95,7 @@ def bind_optimizer(engine) -> None:
     stage 0 there is nothing to bind. Raises for ZeRO stage 3 and for DeepSpeed wrappers with an unknown flat
     layout (bf16 ZeRO-1 with ``data_types.grad_accum_dtype`` fp32: BF16_Optimizer). fp16/bf16 without ZeRO never gets
     here: DeepSpeed's FP16_UnfusedOptimizer steps the client optimizer inside ``deepspeed.initialize``, where
-    ZeroAwareLamb's unbound-step guard raises (``bert_ds.engine`` refuses that setup earlier). No-op for other
+    ZeroAwareLamb's unbound-step guard raises (``bert_ds.runtime.engine`` refuses that setup earlier). No-op for other
     optimizers.
     """
     wrapped = engine.optimizer

@@ -26,8 +26,8 @@ earlier groups' fp32 partitions to their bit16 partitions before ZeRO all-gather
 
 Gradient clipping is not done here. It happens by the global norm before ``step()``: under ZeRO 1/2 in DeepSpeed's
 ``unscale_and_clip_grads`` (fp64 norm), at stage 0 fp32 in :class:`bert_ds.optim.clip.GlobalNormClip`, a step pre-hook
-with the same fp64 norm and formula that ``bert_ds.engine`` installs instead of DeepSpeed's fp32-norm clip (see that
-module for why). Plain-torch users call ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
+with the same fp64 norm and formula that ``bert_ds.runtime.engine`` installs instead of DeepSpeed's fp32-norm clip
+(see that module for why). Plain-torch users call ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ def zero_layout(zero_optimizer) -> ZeroLayout:
     """Map every original tensor of a ``DeepSpeedZeroOptimizer`` (stage 1/2) to its runs in this rank's partition.
 
     DeepSpeed's partition map (tensor offsets in each flat group, this rank's slice of it) is read by
-    :func:`bert_ds.deepspeed_internals.zero_partition_map`; this turns it into contiguous runs of the flat partition:
-    tensor segments, and padding between or after them.
+    :func:`bert_ds.runtime.deepspeed_internals.zero_partition_map`; this turns it into contiguous runs of the flat
+    partition: tensor segments, and padding between or after them.
     """
-    from bert_ds.deepspeed_internals import zero_partition_map
+    from bert_ds.runtime.deepspeed_internals import zero_partition_map
 
     zmap = zero_partition_map(zero_optimizer)
     n_tensors = len(zmap.shapes)
@@ -185,7 +185,7 @@ class ZeroAwareLamb(Optimizer):
         Raises for ZeRO stage 3 and for wrappers whose layout this class does not know, so LAMB is never silently
         per-slice.
         """
-        from bert_ds.deepspeed_internals import is_zero3_optimizer
+        from bert_ds.runtime.deepspeed_internals import is_zero3_optimizer
 
         if is_zero3_optimizer(zero_optimizer):
             raise UnsupportedZeroSetup("ZeroAwareLamb does not support ZeRO stage 3: its sub-group partitions would "

@@ -23,8 +23,8 @@ import os, resource, runpy, signal, sys
 if os.environ.get("RANK") == "1":
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG instead of killing
     resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
-sys.argv[0] = "bert_ds/pretrain.py"
-runpy.run_module("bert_ds.pretrain", run_name="__main__")
+sys.argv[0] = "bert_ds/runtime/pretrain.py"
+runpy.run_module("bert_ds.runtime.pretrain", run_name="__main__")
 """
 
 
@@ -35,7 +35,8 @@ def _recipe(path: Path) -> Path:
 
 
 def _two_ranks(script: Path, args: list[str]) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus 2 SCRIPT ARGS`` on CPU ranks (``run_pretrain`` always launches bert_ds/pretrain.py)."""
+    """``deepspeed --num_gpus 2 SCRIPT ARGS`` on CPU ranks (``run_pretrain`` always launches
+    bert_ds/runtime/pretrain.py)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -85,7 +86,7 @@ def small_tmpfs(tmp_path):
 def _resume_filling_the_disk(args: list[str], mnt: Path, leave_bytes: int) -> subprocess.CompletedProcess:
     """Resume to step 2; once pre-flight has passed (the "resumed" log line), fill the filesystem up to
     ``leave_bytes`` so that the step-2 save runs out of space mid-write (ENOSPC), as when another job fills it."""
-    cmd = [sys.executable, "-m", "bert_ds.pretrain", *args, "--resume", "auto", "--max-steps", "2",
+    cmd = [sys.executable, "-m", "bert_ds.runtime.pretrain", *args, "--resume", "auto", "--max-steps", "2",
            "--tokenizer", str(Path(args[args.index("--data") + 1]).parent / "tokenizer")]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

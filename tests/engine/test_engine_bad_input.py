@@ -13,7 +13,7 @@ import torch
 
 from bert_ds.checkpoint import consolidated_state_dict
 from bert_ds.data.synthetic import write_synthetic_shards
-from bert_ds.pretrain import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
+from bert_ds.runtime.pretrain import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO, SMALL_RECIPE, run_pretrain, run_until_signalled, write_recipe
 
@@ -48,7 +48,8 @@ def test_batch_inconsistent_with_world_size(synthetic_data, tmp_path):
 
 def test_tokenizer_is_required(synthetic_data, tmp_path):
     """Without it, export would later miss tokenizer/vocab.txt and dynamic masking would guess [MASK]'s id."""
-    proc = subprocess.run([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(write_recipe(tmp_path / "r.json")),
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.runtime.pretrain",
+                           "--recipe", str(write_recipe(tmp_path / "r.json")),
                            "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=HANG_GUARD_S)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from bert_ds.checkpoint import list_tags, parse_tag, prune_checkpoints, read_latest, tag_for
-from bert_ds.engine import deepspeed_config, resolve_precision
 from bert_ds.recipe import Recipe
+from bert_ds.runtime.engine import deepspeed_config, resolve_precision
 from tests.helpers.runs import SMALL_RECIPE
 
 

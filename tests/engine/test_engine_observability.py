@@ -1,9 +1,9 @@
 """What a real training run reports: TensorBoard scalars and console lines, periodic held-out evaluation, the early
 stop at ``target_mlm_accuracy`` (and resuming after it), and ``tools/evaluate.py`` agreeing with the in-run evaluation.
 
-One CPU rank (``python -m bert_ds.pretrain``), the tiny model of ``ds_configs/tiny_cpu.json`` with small batches, on
-the real English shards of ``tests/conftest.py``. The eval set is a shard set of its own (another seed over the
-corpus's last documents): evaluation must read ``--eval-data``, not the training batches.
+One CPU rank (``python -m bert_ds.runtime.pretrain``), the tiny model of ``ds_configs/tiny_cpu.json`` with small
+batches, on the real English shards of ``tests/conftest.py``. The eval set is a shard set of its own (another seed
+over the corpus's last documents): evaluation must read ``--eval-data``, not the training batches.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import torch
 
 from bert_ds.checkpoint import CheckpointError, resolve_tag
 from bert_ds.config import BertConfig
-from bert_ds.pretrain import EXIT_PREEMPTED
 from bert_ds.recipe import load_recipe
+from bert_ds.runtime.pretrain import EXIT_PREEMPTED
 from tests.helpers.runs import SMALL_RECIPE, run_pretrain, run_until_signalled, weights, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_stale_files_in_a_reused_tag_dir_are_replaced(synthetic_data, tmp_path):
 def test_nsp_false_leaves_pooler_and_nsp_head_untouched(synthetic_data, tmp_path):
     """Without NSP the pooler and NSP head get no gradient; under ZeRO-2 DeepSpeed would hand LAMB zeros for them
     and weight decay alone (trust ratio 1 / wd) would shrink them by (1 - lr) per step. They are frozen instead."""
-    from bert_ds.engine import build_model
+    from bert_ds.runtime.engine import build_model
 
     recipe_path = write_recipe(tmp_path / "r.json", nsp=False)
     run = tmp_path / "run"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.preflight import StartPoint, plan_run
-from bert_ds.pretrain import parse_args
 from bert_ds.recipe import Recipe
+from bert_ds.runtime.preflight import StartPoint, plan_run
+from bert_ds.runtime.pretrain import parse_args
 from tests.helpers.runs import SMALL_RECIPE, write_recipe
 
 

@@ -1,8 +1,8 @@
-"""The fault and bad-input table of issue 8: every case breaks one thing, runs one real command (``bert_ds.pretrain``
-on one or two DeepSpeed CPU ranks, or a ``tools/`` CLI), and checks the exit code, the first line of the message
-(it must name the culprit), the time to exit, that no process of the command's tree outlives it, and that nothing
-was lost (the previous checkpoint still loads and ``latest`` names it, no partial tag, no output where none belongs,
-and for interrupted runs: resumed weights bit-identical to an uninterrupted run with dropout on).
+"""The fault and bad-input table of issue 8: every case breaks one thing, runs one real command
+(``bert_ds.runtime.pretrain`` on one or two DeepSpeed CPU ranks, or a ``tools/`` CLI), and checks the exit code, the
+first line of the message (it must name the culprit), the time to exit, that no process of the command's tree outlives
+it, and that nothing was lost (the previous checkpoint still loads and ``latest`` names it, no partial tag, no output
+where none belongs, and for interrupted runs: resumed weights bit-identical to an uninterrupted run with dropout on).
 
 The recipe is the shipped ``ds_configs/tiny_cpu.json`` (dropout 0.1, ZeRO-2, LAMB, two phases) cut to 6 + 2 steps
 (``tests.helpers.faults.fault_recipe``); the data is the real English text of the session fixtures. With

@@ -1,6 +1,6 @@
 """The harness of the fault and bad-input table (``tests/faults/test_fault_table.py``): a :class:`Case` record, the
-commands it may run (``bert_ds.pretrain`` on real DeepSpeed CPU ranks, the ``tools/`` CLIs), a fault injected while
-the command runs (a :class:`Trigger` fired by an output line), the exit measured, survivors of the process tree
+commands it may run (``bert_ds.runtime.pretrain`` on real DeepSpeed CPU ranks, the ``tools/`` CLIs), a fault injected
+while the command runs (a :class:`Trigger` fired by an output line), the exit measured, survivors of the process tree
 found, and one markdown row per case appended to ``$BERT_DS_FAULT_REPORT``.
 
 The table's recipe is the shipped ``ds_configs/tiny_cpu.json`` (dropout 0.1, ZeRO-2, LAMB, two phases) with only the
@@ -63,12 +63,12 @@ def fault_recipe(path: Path, **changes) -> Path:
 
 
 def pretrain_cmd(args: list[str], nprocs: int) -> list[str]:
-    """``deepspeed --num_gpus N bert_ds/pretrain.py ARGS`` (N real CPU ranks), or ``python -m bert_ds.pretrain`` for
-    one rank without the launcher."""
+    """``deepspeed --num_gpus N bert_ds/runtime/pretrain.py ARGS`` (N real CPU ranks), or ``python -m
+    bert_ds.runtime.pretrain`` for one rank without the launcher."""
     if nprocs == 1:
-        return [sys.executable, "-m", "bert_ds.pretrain", *args]
+        return [sys.executable, "-m", "bert_ds.runtime.pretrain", *args]
     return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-            str(REPO / "bert_ds" / "pretrain.py"), *args]
+            str(REPO / "bert_ds" / "runtime" / "pretrain.py"), *args]
 
 
 def tool_cmd(script: str, args: list[str]) -> list[str]:
@@ -76,13 +76,13 @@ def tool_cmd(script: str, args: list[str]) -> list[str]:
 
 
 def _rank_of(proc: psutil.Process) -> int | None:
-    """The local rank a ``bert_ds.pretrain`` process runs as (``--local_rank=N`` from the deepspeed launcher; a bare
-    ``python -m bert_ds.pretrain`` is rank 0), or None."""
+    """The local rank a ``bert_ds.runtime.pretrain`` process runs as (``--local_rank=N`` from the deepspeed launcher;
+    a bare ``python -m bert_ds.runtime.pretrain`` is rank 0), or None."""
     try:
         cmd = proc.cmdline()
     except psutil.Error:
         return None
-    if "bert_ds.pretrain" in cmd:
+    if "bert_ds.runtime.pretrain" in cmd:
         return 0
     if any(a.endswith("pretrain.py") for a in cmd):
         return next((int(a.split("=", 1)[1]) for a in cmd if a.startswith("--local_rank=")), None)

@@ -42,7 +42,7 @@ def job_recipe(job: str):
 def run_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Path) -> None:
     from bert_ds.data.index import vocab_sha256
     from bert_ds.data.loader import build_loader
-    from bert_ds.engine import build_engine, build_model
+    from bert_ds.runtime.engine import build_engine, build_model
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     recipe = job_recipe(job)

@@ -241,7 +241,7 @@ def _precision_job(job: str) -> tuple[str, int, str, str | None]:
 
 def _bit16_mismatches(zero_optimizer) -> int:
     """Elements of this rank's bit16 partitions that differ from its fp32 master partitions rounded to bit16."""
-    from bert_ds.deepspeed_internals import zero_partition_map
+    from bert_ds.runtime.deepspeed_internals import zero_partition_map
 
     return sum(int((g.bit16_partition != g.flat.to(g.bit16_partition.dtype)).sum())
                for g in zero_partition_map(zero_optimizer).groups)
@@ -254,7 +254,7 @@ def run_precision_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Pa
 
     from deepspeed.utils import safe_get_full_fp32_param
 
-    import bert_ds.engine
+    import bert_ds.runtime.engine
     from bert_ds.data.index import vocab_sha256
     from bert_ds.data.loader import build_loader
     from tests.helpers.lamb_engine_worker import MODEL_INPUTS, job_recipe
@@ -265,9 +265,9 @@ def run_precision_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Pa
     recipe = dataclasses.replace(recipe, deepspeed=dataclasses.replace(recipe.deepspeed, precision=precision))
     phase = recipe.phases[0]
     vocab_size = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
-    model = bert_ds.engine.build_model(recipe, recipe.model_config(vocab_size))
+    model = bert_ds.runtime.engine.build_model(recipe, recipe.model_config(vocab_size))
     init = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-    te = bert_ds.engine.build_engine(recipe, 0, model, world)  # an explicit bf16 runs as bf16 on CPU ranks too
+    te = bert_ds.runtime.engine.build_engine(recipe, 0, model, world)  # an explicit bf16 runs as bf16 on CPU ranks too
     assert te.precision == precision, (te.precision, precision)
     zero = te.engine.optimizer
     layout = zero.optimizer.zero_layout
@@ -313,8 +313,9 @@ def launch_precision_runs(world_size: int, out_dir: Path, jobs: list[str], steps
 
     A job ``<fp32|bf16>-z<1|2>-<trust_ratio>[-<fault>]`` is ``lamb_engine_worker``'s ``z<stage>-clip-<trust_ratio>``
     (tiny_cpu, dropout 0, gradient clipping 1.0, the first ``steps`` steps of phase 1 on real text) built by
-    ``bert_ds.engine.build_engine`` with ``deepspeed.precision`` set (``bf16`` is DeepSpeed's ``"bf16": {"enabled":
-    true}``: bf16 model and gradients, fp32 master weights in ZeRO's partitions), with a ``PRECISION_FAULTS`` fault.
+    ``bert_ds.runtime.engine.build_engine`` with ``deepspeed.precision`` set (``bf16`` is DeepSpeed's ``"bf16":
+    {"enabled": true}``: bf16 model and gradients, fp32 master weights in ZeRO's partitions), with a
+    ``PRECISION_FAULTS`` fault.
 
     Returns ``{job: {"ranks": [per-rank record], "master": the full fp32 master weights after the last step, "init":
     the initial weights (both fp64)}}``. A rank's record has per-step ``losses`` (mean over its

@@ -9,7 +9,7 @@ writes ``<out>/<job>/rank<r>.json`` (and ``params_rank<r>.pt`` for training jobs
   zero1_decay_only, zero2_decay_only  -- trust_ratio="decay_only" (no trust ratio for weight-decay-0 tensors)
   naive                               -- the flat-slice LAMB under ZeRO-2: one trust ratio per rank slice
   ckpt      -- ZeRO-2: train, save, train more; a fresh engine loads the checkpoint and must continue identically
-  ckpt_elastic    -- the same with zero_optimization.elastic_checkpoint (what bert_ds.engine configures)
+  ckpt_elastic    -- the same with zero_optimization.elastic_checkpoint (what bert_ds.runtime.engine configures)
   resume_universal -- load ckpt's checkpoint (``--ckpt_from``), converted by ds_to_universal, on another
                       world size and continue
   unbound   -- ZeRO-2 without bind_optimizer: the first step must refuse

@@ -1,5 +1,5 @@
-"""Helpers for tests that train: a small two-phase recipe, launching ``bert_ds.pretrain`` on real DeepSpeed CPU ranks,
-and comparing the weights of two runs."""
+"""Helpers for tests that train: a small two-phase recipe, launching ``bert_ds.runtime.pretrain`` on real DeepSpeed
+CPU ranks, and comparing the weights of two runs."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def write_recipe(path: Path, base: dict | None = None, **changes) -> Path:
 
 def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S, check: bool = True,
                  ) -> subprocess.CompletedProcess:
-    """``python -m bert_ds.pretrain`` (1 process) or ``deepspeed --num_gpus N bert_ds/pretrain.py`` (N CPU ranks).
+    """``python -m bert_ds.runtime.pretrain`` (1 process) or ``deepspeed --num_gpus N bert_ds/runtime/pretrain.py`` (N
+    CPU ranks).
 
     Without a ``--tokenizer`` in ``args``, the one ``synthetic_data`` writes beside the first ``--data`` directory is
     passed (the flag is required)."""
@@ -56,10 +57,10 @@ def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S
             args = [*args, "--tokenizer", str(synthetic_tokenizer)]
     env = child_env()
     if nprocs == 1:
-        cmd = [sys.executable, "-m", "bert_ds.pretrain", *args]
+        cmd = [sys.executable, "-m", "bert_ds.runtime.pretrain", *args]
     else:
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-               str(REPO / "bert_ds" / "pretrain.py"), *args]
+               str(REPO / "bert_ds" / "runtime" / "pretrain.py"), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
@@ -69,10 +70,10 @@ def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S
 
 def run_until_signalled(recipe: Path, data: tuple[Path, Path], run: Path, sig: int = signal.SIGUSR1,
                         ) -> tuple[int, list[str]]:
-    """Start ``python -m bert_ds.pretrain`` on ``data``, send ``sig`` once it logs step 1, and return its exit code
-    and console lines."""
+    """Start ``python -m bert_ds.runtime.pretrain`` on ``data``, send ``sig`` once it logs step 1, and return its exit
+    code and console lines."""
     env = child_env()
-    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(recipe), "--data",
+    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.runtime.pretrain", "--recipe", str(recipe), "--data",
                              *map(str, data), "--tokenizer", str(data[0].parent / "tokenizer"),
                              "--output", str(run)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,6 +1,6 @@
-"""Hostfiles from a host list or a Slurm allocation (``bert_ds.launch``), and how ``bert_ds.distributed`` tells the
-launch paths apart, and the checks the ``slurm/`` scripts make before starting anything. No ranks start here (the
-launches run in test_launch_paths.py)."""
+"""Hostfiles from a host list or a Slurm allocation (``bert_ds.runtime.launch``), and how
+``bert_ds.runtime.distributed`` tells the launch paths apart, and the checks the ``slurm/`` scripts make before
+starting anything. No ranks start here (the launches run in test_launch_paths.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds import distributed
-from bert_ds.launch import (
+from bert_ds.runtime import distributed
+from bert_ds.runtime.launch import (
     format_hostfile,
     hosts_from_list,
     hosts_from_slurm,
@@ -118,7 +118,8 @@ def test_srun_environment_maps_to_torch_variables(monkeypatch):
     # a leaked MASTER_ADDR=gpu01 made later launch tests wait for an unresolvable host).
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS})
     seen = []
-    monkeypatch.setattr("bert_ds.launch.slurm_hostnames", lambda nodelist: seen.append(nodelist) or ["gpu01", "gpu02"])
+    monkeypatch.setattr("bert_ds.runtime.launch.slurm_hostnames",
+                        lambda nodelist: seen.append(nodelist) or ["gpu01", "gpu02"])
     for var, value in {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
                        "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_STEP_NODELIST": "gpu[01-02]"}.items():
         monkeypatch.setenv(var, value)
@@ -161,10 +162,10 @@ def test_unresolvable_master_addr_is_refused_at_once(tmp_path):
     distributed.check_master_addr({"MASTER_ADDR": "127.0.0.1"})
     distributed.check_master_addr({})
     env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="gpu01.invalid", MASTER_PORT="29511")
-    proc = subprocess.run([sys.executable, "-m", "bert_ds.pretrain", "--recipe", str(REPO / "ds_configs" /
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.runtime.pretrain", "--recipe", str(REPO / "ds_configs" /
                            "tiny_cpu.json"), "--data", str(tmp_path), str(tmp_path), "--tokenizer", str(tmp_path),
                            "--output", str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "bert_ds.pretrain: error: MASTER_ADDR='gpu01.invalid' does not resolve" in proc.stderr
+    assert "bert_ds.runtime.pretrain: error: MASTER_ADDR='gpu01.invalid' does not resolve" in proc.stderr
     assert not (tmp_path / "run").exists()

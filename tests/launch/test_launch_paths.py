@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_ds.launch import hosts_from_list, write_hostfile
+from bert_ds.runtime.launch import hosts_from_list, write_hostfile
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.runs import REPO, SMALL_RECIPE, VENV_BIN, run_pretrain, weights, write_recipe
 
@@ -56,7 +56,8 @@ needs_mpi = pytest.mark.skipif(not _mpi_available(), reason="needs Open MPI's mp
 
 @dataclass(frozen=True)
 class Case:
-    """One small training job every path runs: its recipe and the ``bert_ds.pretrain`` arguments after ``--output``."""
+    """One small training job every path runs: its recipe and the ``bert_ds.runtime.pretrain`` arguments after
+    ``--output``."""
 
     recipe: Path
     data: tuple[Path, Path]
@@ -141,8 +142,8 @@ def test_two_launchers_with_no_ssh_match_one_node(case, baseline, tmp_path):
     hostfile = write_hostfile(tmp_path / "hostfile", hosts_from_list("node0:1,node1:1"))
     port, run = free_port(), tmp_path / "run"
     cmds = [[str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
-             "--master_addr", "127.0.0.1", "--master_port", str(port), str(REPO / "bert_ds" / "pretrain.py"),
-             *case.args(run)] for node in (0, 1)]
+             "--master_addr", "127.0.0.1", "--master_port", str(port),
+             str(REPO / "bert_ds" / "runtime" / "pretrain.py"), *case.args(run)] for node in (0, 1)]
     _run_together(cmds, _env(), [tmp_path / "node0.log", tmp_path / "node1.log"])
     assert "nnodes=2, num_local_procs=1, node_rank=1" in (tmp_path / "node1.log").read_text()
     _assert_bit_identical(_final_weights(run), baseline, "two deepspeed --no_ssh launchers")
@@ -153,7 +154,7 @@ def test_mpirun_matches_one_node(case, baseline, tmp_path):
     run, log = tmp_path / "run", tmp_path / "mpirun.log"
     # MASTER_PORT: DeepSpeed's MPI discovery would take 29500, which another job on this machine may hold.
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
-           "-x", "OMP_NUM_THREADS", sys.executable, "-m", "bert_ds.pretrain", *case.args(run)]
+           "-x", "OMP_NUM_THREADS", sys.executable, "-m", "bert_ds.runtime.pretrain", *case.args(run)]
     _run_together([cmd], _env(MASTER_PORT=str(free_port())), [log])
     _assert_bit_identical(_final_weights(run), baseline, "mpirun -np 2")
 
@@ -176,7 +177,7 @@ def test_deepspeed_launcher_from_a_slurm_hostfile_matches_one_node(case, baselin
                           check=True).stdout.split()[0]
     hostfile, run = tmp_path / "hostfile", tmp_path / "run"
     deepspeed_flags = shlex.join([str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"])
-    script_args = shlex.join(["--master_port", str(free_port()), str(REPO / "bert_ds" / "pretrain.py"),
+    script_args = shlex.join(["--master_port", str(free_port()), str(REPO / "bert_ds" / "runtime" / "pretrain.py"),
                               *case.args(run)])
     (tmp_path / "node.sh").write_text(f'exec {deepspeed_flags} --node_rank "$SLURM_NODEID" --master_addr "$master" '
                                       f"{script_args}\n")

@@ -10,7 +10,7 @@ On a CUDA device (a plain PyTorch + Triton install; no DeepSpeed, apex or data n
   bf16 (LayerNorm + residual vs ``F.layer_norm``, bias-GELU vs ``F.gelu``, attention vs SDPA);
 - ``train.large.s128`` / ``train.large.s512``: BERT-large training steps in bf16 (bf16 model, fp32 master weights
   and LAMB, as the engine's DeepSpeed bf16 mode) with every kernel backend: sequences/s, TFLOP/s and MFU from the
-  analytic model FLOPs (:mod:`bert_ds.metrics`) and the device's dense bf16 peak;
+  analytic model FLOPs (:mod:`bert_ds.runtime.metrics`) and the device's dense bf16 peak;
 - ``aot.sass``: the ahead-of-time sm_80/sm_90 builds' machine code checks (:mod:`bert_ds.kernels.aot`), and
   ``aot.matches_jit``: every kernel the JIT compiled during the BERT-large steps is a build the AOT report checks.
 
@@ -45,7 +45,7 @@ import torch
 
 import bert_ds.kernels as kernels
 from bert_ds.config import BertConfig, model_preset
-from bert_ds.metrics import peak_tflops_for, training_flops_per_sequence
+from bert_ds.runtime.metrics import peak_tflops_for, training_flops_per_sequence
 
 __all__ = ["Item", "check_kernels", "jit_matches_aot", "main", "measure_kernel_speed", "measure_training",
            "record_jit_compiles", "run_gpu_check"]
@@ -516,13 +516,14 @@ def _environment() -> dict:
 
 def _child(section: str, interpret: bool, timeout: float = 900) -> list[Item]:
     """Run ``section`` in a fresh interpreter with TRITON_INTERPRET set as it needs, and read its items back."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0",
            "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "items.json"
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "bert_ds.gpu_check", "--child", section, "--out", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "bert_ds.devtools.gpu_check", "--child", section,
+                               "--out", str(out)],
                               env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():
             return [Item(f"child.{section}", FAILED, time.perf_counter() - start, {"output": proc.stdout[-4000:] +

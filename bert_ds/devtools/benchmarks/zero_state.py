@@ -6,7 +6,7 @@ every rank reports the bytes it holds: the fp32 master partition (``single_parti
 ``exp_avg`` / ``exp_avg_sq`` for it. The expectation is total / N per rank, plus at most the alignment padding ZeRO
 adds to each flat group (to a multiple of 2 * world_size elements).
 
-    python -m bert_ds.benchmarks.zero_state --preset base --world-sizes 1 2 4 --stages 1 2
+    python -m bert_ds.devtools.benchmarks.zero_state --preset base --world-sizes 1 2 4 --stages 1 2
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch
 
 __all__ = ["zero_state_bytes"]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 _MARK = "ZERO_STATE_BYTES "
 
 
 def _rank_main(preset: str, stage: int) -> None:
-    from bert_ds.distributed import init_distributed
-    from bert_ds.engine import build_engine, build_model
     from bert_ds.recipe import Recipe
+    from bert_ds.runtime.distributed import init_distributed
+    from bert_ds.runtime.engine import build_engine, build_model
 
     rank, world = init_distributed()
     recipe = Recipe.from_dict({
@@ -80,7 +80,7 @@ def _launch(preset: str, stage: int, world_size: int, timeout_s: float) -> list[
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
             log = open(Path(tmp) / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
-            cmd = [sys.executable, "-m", "bert_ds.benchmarks.zero_state", "--rank-of", preset, str(stage)]
+            cmd = [sys.executable, "-m", "bert_ds.devtools.benchmarks.zero_state", "--rank-of", preset, str(stage)]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
         rows, failed = [], []
         for rank, (proc, log) in enumerate(procs):

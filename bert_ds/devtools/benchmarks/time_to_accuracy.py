@@ -4,8 +4,8 @@ Same shards (the demo's seq-128 training set, dynamic masking, same order), same
 same global batch (32), same held-out set and accuracy (correct / valid masked positions of ``eval128``), evaluated
 every ``EVAL_INTERVAL`` steps by both. bert_ds runs as ``make demo`` trains it: ``ds_configs/demo_cpu.json``'s first
 phase (ZeRO-2, LAMB, 2 CPU ranks through the ``deepspeed`` launcher), stopping at the target
-(``target_mlm_accuracy``). The baseline is :mod:`bert_ds.benchmarks.hf_loop` (AdamW; its learning rate chosen by the
-sweep recorded in BENCHMARKS.md), stopping at the target too. Both clocks run from process start to the eval line
+(``target_mlm_accuracy``). The baseline is :mod:`bert_ds.devtools.benchmarks.hf_loop` (AdamW; its learning rate chosen
+by the sweep recorded in BENCHMARKS.md), stopping at the target too. Both clocks run from process start to the eval line
 that first reaches the target, start-up and evaluation included, as a user waits for them.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 __all__ = ["TARGET", "time_to_accuracy"]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TARGET = 0.13
 """Held-out masked-LM accuracy at seq 128: 2.5x the unigram baseline of the demo's eval set (5.3%), a level both
 trainers reach from scratch within the budget (both level off near 14.4% by 1,500 steps: the tiny model's attention
@@ -71,11 +71,11 @@ def _bert_ds(data: dict[str, Path], work: Path, steps: int, interval: int, targe
     recipe["logging"]["interval"] = 50
     work.mkdir(parents=True, exist_ok=True)
     (work / "recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
-    from bert_ds.demo import TRAIN_RANKS, _free_port
+    from bert_ds.devtools.demo import TRAIN_RANKS, _free_port
 
     launcher = Path(sys.executable).parent / "deepspeed"
     cmd = [str(launcher), "--num_gpus", str(TRAIN_RANKS), "--master_port", str(_free_port()),
-           str(REPO / "bert_ds" / "pretrain.py"), "--recipe", str(work / "recipe.json"),
+           str(REPO / "bert_ds" / "runtime" / "pretrain.py"), "--recipe", str(work / "recipe.json"),
            "--data", str(data["train128"]), "--eval-data", str(data["eval128"]), "--tokenizer", str(data["tokenizer"]),
            "--output", str(work / "run")]
     if (work / "run").exists():
@@ -89,7 +89,7 @@ def _bert_ds(data: dict[str, Path], work: Path, steps: int, interval: int, targe
 
 def _transformers(data: dict[str, Path], work: Path, steps: int, interval: int, target: float, lr: float,
                   env: dict) -> dict:
-    cmd = [sys.executable, "-m", "bert_ds.benchmarks.hf_loop", "--data", str(data["train128"]), "--eval-data",
+    cmd = [sys.executable, "-m", "bert_ds.devtools.benchmarks.hf_loop", "--data", str(data["train128"]), "--eval-data",
            str(data["eval128"]), "--tokenizer", str(data["tokenizer"]), "--steps", str(steps), "--lr", str(lr),
            "--eval-interval", str(interval), "--target", str(target)]
     settings = f"AdamW lr {lr}, warm-up 0.05, 1 process x {os.cpu_count()} threads"

@@ -1,8 +1,8 @@
 """BERT pre-training: the phase loop, checkpoint/resume, pre-emption, logging.
 
-    deepspeed [--num_gpus N] bert_ds/pretrain.py --recipe ds_configs/bert_large.json --data DIR128 DIR512 \\
+    deepspeed [--num_gpus N] bert_ds/runtime/pretrain.py --recipe ds_configs/bert_large.json --data DIR128 DIR512 \\
         --tokenizer DIR --output RUN_DIR [--resume auto] [--phase 1|2|all] [--max-steps N] [--eval-data DIR ...]
-    python -m bert_ds.pretrain ...      (one process, no launcher: a 1-rank gloo/nccl group is set up here)
+    python -m bert_ds.runtime.pretrain ...      (one process, no launcher: a 1-rank gloo/nccl group is set up here)
 
 Phase hand-off. Phase 2 starts from phase 1's final weights *and* its optimizer moments (LAMB's ``exp_avg`` and
 ``exp_avg_sq``), with the step count reset to 0 and phase 2's own warm-up + decay schedule. This is what NVIDIA
@@ -35,9 +35,9 @@ from collections.abc import Sequence
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.data.loader import LoaderWorkerError
-from bert_ds.preflight import RunPlan, StartPoint, plan_run
 from bert_ds.recipe import load_recipe
-from bert_ds.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
+from bert_ds.runtime.preflight import RunPlan, StartPoint, plan_run
+from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
            "parse_args",
@@ -46,11 +46,11 @@ __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
-log = logging.getLogger("bert_ds.pretrain")
+log = logging.getLogger("bert_ds.runtime.pretrain")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bert_ds.pretrain", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bert_ds.runtime.pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", required=True, help="recipe JSON (ds_configs/*.json)")
     p.add_argument("--data", nargs="+", required=True,
                    help="shard directories, one per recipe phase in order (seq 128 then 512); one directory when "
@@ -83,7 +83,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _metrics_logger(plan: RunPlan):
-    from bert_ds.metrics import MetricsLogger, detect_peak_tflops
+    from bert_ds.runtime.metrics import MetricsLogger, detect_peak_tflops
 
     recipe = plan.recipe
     return MetricsLogger(plan.run_dir / "tensorboard", rank=plan.rank, model_config=plan.model_config,
@@ -121,7 +121,7 @@ def run(plan: RunPlan) -> int:
 
 def train(args: argparse.Namespace) -> int:
     """Run (or resume) the phases ``args`` select; returns the exit code."""
-    from bert_ds.distributed import init_distributed, release_shm_buffers
+    from bert_ds.runtime.distributed import init_distributed, release_shm_buffers
 
     recipe = load_recipe(args.recipe)
     rank, world_size = init_distributed()
@@ -133,7 +133,7 @@ def train(args: argparse.Namespace) -> int:
 
 def _error(message: str) -> None:
     # One write per line: ranks share the launcher's stderr, and print() writes the text and the newline separately.
-    sys.stderr.write(f"bert_ds.pretrain: error: {message}\n")
+    sys.stderr.write(f"bert_ds.runtime.pretrain: error: {message}\n")
     sys.stderr.flush()
 
 

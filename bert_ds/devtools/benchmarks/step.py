@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from bert_ds.benchmarks.timing import alternate, paired_ratio, summary
 from bert_ds.config import model_preset
 from bert_ds.data.loader import build_loader
+from bert_ds.devtools.benchmarks.timing import alternate, paired_ratio, summary
 from bert_ds.model import BertForPreTraining
 
 __all__ = ["FIELDS", "dense_labels", "real_batches", "step_benchmark"]

@@ -2,7 +2,7 @@
 
 Launch paths (README "Launching"): the ``deepspeed`` launcher (sets RANK/WORLD_SIZE/...), ``srun`` one task per rank
 (Slurm variables, mapped here), ``mpirun`` (DeepSpeed's MPI discovery through mpi4py), and a bare
-``python -m bert_ds.pretrain`` (a one-rank group on a free local port).
+``python -m bert_ds.runtime.pretrain`` (a one-rank group on a free local port).
 """
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ def launch_path(env: Mapping[str, str]) -> str:
 
 
 def _env_from_slurm() -> None:
-    """``srun python -m bert_ds.pretrain``: one task per rank, so Slurm's --signal reaches every rank directly (the
-    deepspeed launcher would answer SIGTERM by killing its ranks before they can checkpoint). MASTER_ADDR defaults to
-    the job's first node, MASTER_PORT to the job's port (``bert_ds.launch.slurm_master_port``)."""
-    from bert_ds.launch import parse_tasks_per_node, slurm_hostnames, slurm_master_port
+    """``srun python -m bert_ds.runtime.pretrain``: one task per rank, so Slurm's --signal reaches every rank directly
+    (the deepspeed launcher would answer SIGTERM by killing its ranks before they can checkpoint). MASTER_ADDR
+    defaults to the job's first node, MASTER_PORT to the job's port (``bert_ds.runtime.launch.slurm_master_port``)."""
+    from bert_ds.runtime.launch import parse_tasks_per_node, slurm_hostnames, slurm_master_port
 
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
@@ -135,7 +135,7 @@ def _env_from_slurm() -> None:
 
 
 def _env_from_mpirun() -> int:
-    """``mpirun -np N python -m bert_ds.pretrain``: DeepSpeed's MPI discovery (mpi4py) sets RANK, WORLD_SIZE,
+    """``mpirun -np N python -m bert_ds.runtime.pretrain``: DeepSpeed's MPI discovery (mpi4py) sets RANK, WORLD_SIZE,
     LOCAL_RANK and MASTER_ADDR (rank 0's ``hostname -I``) inside ``deepspeed.init_distributed``; here only the ranks
     per host (for the thread split) and the port: discovery would otherwise always take 29500, so a second job on a
     node would collide. Returns the port (``mpirun -x MASTER_PORT=...`` picks another)."""

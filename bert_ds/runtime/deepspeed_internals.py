@@ -62,8 +62,8 @@ def check_deepspeed_version(version: str | None = None) -> str:
     lo, hi = SUPPORTED_DEEPSPEED
     if match is None or not lo <= (int(match[1]), int(match[2])) < hi:
         raise ValueError(f"deepspeed {version} is installed, but bert_ds relies on DeepSpeed internals of "
-                         f"deepspeed{_supported_range()} (bert_ds/deepspeed_internals.py); install a version in "
-                         f"that range, e.g. pip install 'deepspeed{_supported_range()}'")
+                         f"deepspeed{_supported_range()} (bert_ds/runtime/deepspeed_internals.py); install a "
+                         f"version in that range, e.g. pip install 'deepspeed{_supported_range()}'")
     return str(version)
 
 
@@ -188,7 +188,7 @@ def load_optimizer_moments(engine, ckpt_dir: str | Path, tag: str, saved_world_s
     """Phase hand-off: the optimizer state of ``tag`` (Adam/LAMB moments) with the step count reset to 0.
 
     The weights come with the model (``consolidated_state_dict``) and the schedule stays the new phase's; this is what
-    NVIDIA's ``run_pretraining.py --phase2`` does (see :mod:`bert_ds.pretrain`)."""
+    NVIDIA's ``run_pretraining.py --phase2`` does (see :mod:`bert_ds.runtime.pretrain`)."""
     tag_dir = Path(ckpt_dir) / tag
     if engine.zero_optimization_stage() == 0:
         optimizer = engine.optimizer

@@ -16,10 +16,10 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds.config import BertConfig
-from bert_ds.deepspeed_internals import check_deepspeed_version
 from bert_ds.model import BertForPreTraining
 from bert_ds.optim import GlobalNormClip, bind_optimizer, build_optimizer, warmup_poly_decay
 from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
+from bert_ds.runtime.deepspeed_internals import check_deepspeed_version
 
 __all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
            "own_stage0_clip", "resolve_precision"]
@@ -69,7 +69,7 @@ def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precis
         "gradient_accumulation_steps": accumulation,
         # Stage 0 fp32: bert_ds clips (GlobalNormClip, fp64 norm like ZeRO 1/2), DeepSpeed's fp32-norm clip is off.
         "gradient_clipping": 0.0 if own_stage0_clip(ds.zero_stage, precision) else ds.gradient_clipping,
-        "steps_per_print": 1 << 30,  # bert_ds.metrics does the logging
+        "steps_per_print": 1 << 30,  # bert_ds.runtime.metrics does the logging
         "wall_clock_breakdown": False,
         # LAMB is not on ZeRO's tested list; ZeroAwareLamb handles ZeRO's flat partitions itself (bert_ds.optim).
         "zero_allow_untested_optimizer": True,

@@ -8,7 +8,7 @@ global batch and dynamic masking as the bert_ds run, so the two differ only in t
 ``--eval-interval`` steps it prints ``eval step N | mlm_accuracy A | ...`` over the held-out shards, the masked-LM
 accuracy bert_ds's trainer prints (correct / valid masked positions).
 
-    python -m bert_ds.benchmarks.hf_loop --data D --eval-data E --tokenizer T --steps 1200 --lr 1e-3
+    python -m bert_ds.devtools.benchmarks.hf_loop --data D --eval-data E --tokenizer T --steps 1200 --lr 1e-3
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bert_ds.benchmarks.step import dense_labels
+from bert_ds.devtools.benchmarks.step import dense_labels
 
 __all__ = ["main"]
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["DEMO_RECIPE", "DemoError", "DemoSettings", "Score", "demo_recipe", "export_scores", "fill_mask_examples",
            "NotDemoDirectory", "prepare_data", "run_demo", "split_corpus"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO_RECIPE = REPO / "ds_configs" / "demo_cpu.json"
 WARMUP_RECIPE = REPO / "ds_configs" / "demo_warmup_cpu.json"
 PLOT_TOOL = REPO / "tools" / "plot_run.py"
@@ -143,7 +143,7 @@ def _own_dir(out: Path) -> None:
         raise NotDemoDirectory(f"{out} holds files the demo did not write (no {MARKER} in it); choose another --out or "
                         f"empty it")
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by bert_ds.demo: data/ is reused, the other outputs are replaced\n")
+    (out / MARKER).write_text("written by bert_ds.devtools.demo: data/ is reused, the other outputs are replaced\n")
 
 
 def _data_dirs(data: Path) -> dict[str, Path]:
@@ -243,16 +243,16 @@ def _train_command(recipe: Path, data: list[Path], eval_data: list[Path], tokeni
         raise DemoError(f"{launcher}: the deepspeed launcher is not installed in this environment (run `make venv`)")
     evaluation = ["--eval-data", *map(str, eval_data)] if eval_data else []
     return [str(launcher), "--num_gpus", str(TRAIN_RANKS), "--master_port", str(_free_port()),
-            str(REPO / "bert_ds" / "pretrain.py"), "--recipe", str(recipe), "--data", *map(str, data),
+            str(REPO / "bert_ds" / "runtime" / "pretrain.py"), "--recipe", str(recipe), "--data", *map(str, data),
             "--tokenizer", str(tokenizer), *evaluation, "--output", str(run), *extra]
 
 
 def _progress_line(line: str) -> str | None:
     """The console form of a launcher output line, or None to leave it in train.log only: bert_ds's step, eval and
     checkpoint lines and its phase hand-off note (without the timestamp); DeepSpeed's start-up chatter stays out."""
-    if line.startswith(("step ", "eval step ", "checkpoint ", "bert_ds.pretrain: error", "Traceback")):
+    if line.startswith(("step ", "eval step ", "checkpoint ", "bert_ds.runtime.pretrain: error", "Traceback")):
         return line.rstrip()
-    if " bert_ds.pretrain INFO phase " in line:
+    if " bert_ds.runtime.pretrain INFO phase " in line:
         return line.split(" INFO ", 1)[1].rstrip()
     return None
 

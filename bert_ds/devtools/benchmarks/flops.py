@@ -1,5 +1,5 @@
-"""The analytic FLOP count behind perf/tflops and MFU (:mod:`bert_ds.metrics`) against PyTorch's FlopCounterMode,
-which counts every matrix product the model really runs, forward and backward.
+"""The analytic FLOP count behind perf/tflops and MFU (:mod:`bert_ds.runtime.metrics`) against PyTorch's
+FlopCounterMode, which counts every matrix product the model really runs, forward and backward.
 
 PyTorch's counter has no formula for the CPU flash-attention kernel SDPA runs here, so it would miss the attention
 matmuls (4·S²·H per layer forward); this module registers one: the two forward matmuls, and for the backward the
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
-from bert_ds.benchmarks.step import FIELDS, real_batches
 from bert_ds.config import model_preset
-from bert_ds.metrics import training_flops_per_sequence
+from bert_ds.devtools.benchmarks.step import FIELDS, real_batches
 from bert_ds.model import BertForPreTraining
+from bert_ds.runtime.metrics import training_flops_per_sequence
 
 __all__ = ["CPU_ATTENTION_FLOPS", "flop_check"]
 

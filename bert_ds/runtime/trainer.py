@@ -19,15 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from bert_ds import checkpoint as ckpt
-from bert_ds.distributed import seed_everything, sigchld_deferred
 from bert_ds.model.unpad import host_counts
-from bert_ds.preflight import RunPlan, StartPoint
+from bert_ds.runtime.distributed import seed_everything, sigchld_deferred
+from bert_ds.runtime.preflight import RunPlan, StartPoint
 
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
            "StepRecord", "run_phase", "train_step"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a Slurm requeue wrapper checks for
-log = logging.getLogger("bert_ds.pretrain")
+log = logging.getLogger("bert_ds.runtime.pretrain")
 _MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids")
 
 # Per-rank quantities a step sums over its micro batches; one all-reduce sums them over ranks. The flags are summed
@@ -199,8 +199,8 @@ class PhaseOutcome:
 
 
 def _build_model_and_engine(plan: RunPlan, p: int, start: StartPoint):
-    from bert_ds.deepspeed_internals import load_optimizer_moments
-    from bert_ds.engine import build_engine, build_model
+    from bert_ds.runtime.deepspeed_internals import load_optimizer_moments
+    from bert_ds.runtime.engine import build_engine, build_model
 
     state_dict = None
     if start.handoff:
@@ -248,7 +248,7 @@ def _build_loaders(plan: RunPlan, p: int):
 
 def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
     """Mid-phase resume: engine, loader position and (same rank count) each rank's random streams."""
-    from bert_ds.deepspeed_internals import load_checkpoint
+    from bert_ds.runtime.deepspeed_internals import load_checkpoint
 
     p, tag = ph.index, start.tag
     saved_world = ckpt.read_run_state(plan.ckpt_dir, tag)["world_size"]

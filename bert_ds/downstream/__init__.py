@@ -1,0 +1,1 @@
+"""Downstream use of a pre-trained BERT: fine-tuning on labelled tasks and feature extraction."""
