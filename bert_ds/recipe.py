@@ -145,8 +145,22 @@ class DeepSpeedSection:
     gradient_clipping: float = 1.0
     """Global-norm clipping (NVIDIA recipe: 1.0); 0 disables."""
     activation_checkpointing: bool = False
+    overlap_comm: bool = False
+    """ZeRO 1/2: overlap the gradient reduce-scatter with the backward pass (a GPU speed option; the GPU recipes turn
+    it on). Off keeps the reduction order independent of bucket timing."""
+    contiguous_gradients: bool = True
+    """ZeRO 1/2: copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    reduce_bucket_size: int = 500_000_000
+    """ZeRO 1/2: elements reduced per bucket (DeepSpeed's default 5e8)."""
+    allgather_bucket_size: int = 500_000_000
+    """ZeRO 1/2: elements all-gathered per bucket after the step (DeepSpeed's default 5e8)."""
 
     def __post_init__(self) -> None:
+        for name in ("overlap_comm", "contiguous_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"deepspeed.{name}={getattr(self, name)!r} must be true or false")
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            _positive_int("deepspeed", name, getattr(self, name))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage={self.zero_stage!r}: choose 0, 1, 2 or 3")
         if self.precision not in _PRECISIONS:

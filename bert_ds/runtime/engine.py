@@ -76,10 +76,12 @@ def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precis
         "zero_optimization": {"stage": ds.zero_stage},
     }
     if ds.zero_stage in (1, 2):
-        # Plain reduce-scatter order keeps results independent of bucket timing; overlap is a GPU-speed option.
         # elastic_checkpoint: each rank's optimizer state is saved as flat partitions that DeepSpeed merges and
         # re-partitions on load, so a checkpoint resumes onto a different number of ranks (bert_ds.checkpoint).
-        config["zero_optimization"].update({"contiguous_gradients": True, "overlap_comm": False,
+        config["zero_optimization"].update({"contiguous_gradients": ds.contiguous_gradients,
+                                            "overlap_comm": ds.overlap_comm,
+                                            "reduce_bucket_size": ds.reduce_bucket_size,
+                                            "allgather_bucket_size": ds.allgather_bucket_size,
                                             "elastic_checkpoint": True})
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
