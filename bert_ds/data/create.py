@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import random
@@ -285,11 +286,51 @@ def _mpi_comm():
     return None
 
 
-def _prepare_out_dir(out: Path, overwrite: bool) -> list[Path]:
-    """Make ``out`` ready for a new set; returns the directories this made (``out`` and missing parents), outermost
-    first, so that a failed run can remove them again."""
+LOCK_NAME = ".create_shards.lock"
+"""Held (``flock``) from before ``--out`` is touched until ``index.json`` is written: a second ``create_shards`` on the
+same directory is refused at once instead of deleting the first one's shards under it."""
+
+
+class OutDirLock:
+    """An exclusive, non-blocking ``flock`` on ``<out>/.create_shards.lock``; the kernel drops it if the holder dies."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK_NAME
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise FileExistsError(f"output directory {out} is being written by another create_shards (pid {holder}, "
+                                  f"lock {self.path}); wait for it to finish or choose another --out") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self, remove: bool = False) -> None:
+        if self._fd < 0:
+            return
+        if remove:  # only when the directory itself goes away with a failed run
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # closing the descriptor drops the flock
+        self._fd = -1
+
+
+def _prepare_out_dir(out: Path, overwrite: bool) -> tuple[list[Path], OutDirLock]:
+    """Lock ``out`` and make it ready for a new set; returns the directories this made (``out`` and missing parents),
+    outermost first, so that a failed run can remove them again, and the lock, held until the index is written."""
     made = [d for d in reversed([out, *out.parents]) if not d.exists()]
     out.mkdir(parents=True, exist_ok=True)
+    lock = OutDirLock(out)
+    try:
+        _clear_out_dir(out, overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return made, lock
+
+
+def _clear_out_dir(out: Path, overwrite: bool) -> None:
     index = out / INDEX_NAME
     if index.exists():
         if not overwrite:
@@ -303,7 +344,18 @@ def _prepare_out_dir(out: Path, overwrite: bool) -> list[Path]:
         index.unlink()  # first, so that a crash while rebuilding never leaves an index naming missing shards
     for stale in list(out.glob("shard-*.tar")) + list(out.glob("shard-*.tar.tmp")) + list(out.glob("*.json.tmp")):
         stale.unlink()  # an overwritten set, or the leftovers of an unfinished run (no index: never complete)
-    return made
+
+
+def _check_written(out: Path, index: ShardIndex) -> None:
+    """``index.json`` is written only over shards that exist with the size this run wrote (their checksums were taken
+    as each was closed; readers verify them)."""
+    for info in index.shards:
+        path = out / info.name
+        size = path.stat().st_size if path.is_file() else None
+        if size != info.bytes:
+            state = "is missing" if size is None else f"has {size} bytes, this run wrote {info.bytes}"
+            raise OSError(f"{path} {state}: something else changed {out} during shard creation; "
+                               f"no {INDEX_NAME} written")
 
 
 def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, workers: int, rank: int, size: int,
@@ -366,14 +418,15 @@ def _check_create_args(seq_len: int, max_predictions: int, dupe_factor: int, sho
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
 
 
-def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> list[Path]:
-    """Rank 0 prepares the output directory (returning the directories it made); under MPI every rank raises the
-    same error if it could not."""
+def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> tuple[list[Path], OutDirLock | None]:
+    """Rank 0 locks and prepares the output directory (returning the directories it made and the lock); under MPI
+    every rank raises the same error if it could not."""
     error: str | None = None
     made: list[Path] = []
+    lock = None
     if rank == 0:
         try:
-            made = _prepare_out_dir(out, overwrite)
+            made, lock = _prepare_out_dir(out, overwrite)
         except Exception as exc:
             error = str(exc)
             if comm is None:
@@ -382,7 +435,7 @@ def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> li
         error = comm.bcast(error, root=0)
         if error is not None:
             raise FileExistsError(error)
-    return made
+    return made, lock
 
 
 def _create_all_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, workers: int, comm, rank: int,
@@ -495,19 +548,28 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
 
     comm = _mpi_comm()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
-    made = _prepare_out_dir_on_rank0(out, overwrite, comm, rank)
+    made, lock = _prepare_out_dir_on_rank0(out, overwrite, comm, rank)
     try:
         all_results, read_skipped = _create_all_chunks(files, params, chunk_bytes, workers, comm, rank, size,
                                                        progress)
         index = _shard_index(all_results, read_skipped, files, tok, params, tokenizer_dir, chunk_bytes)
         index.extra.update(input_format=input_format, input_formats=dict(sorted(formats.items())))
     except BaseException:
+        if lock is not None:
+            lock.release(remove=out in made)
         for directory in reversed(made):  # the failed run's shards are gone: leave no empty --out behind either
             with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
-    if rank == 0:
-        index.write(out)
+    try:
+        if comm is not None:
+            comm.Barrier()  # every rank's shards are closed
+        if rank == 0:
+            _check_written(out, index)
+            index.write(out)
+    finally:
+        if lock is not None:
+            lock.release()
     if comm is not None:
         comm.Barrier()
     return index

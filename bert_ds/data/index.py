@@ -36,6 +36,11 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}\.tar")
+MAX_SEQ_LEN = 1 << 16
+"""Longest sample a shard set may declare: the loader sizes buffers from ``seq_len`` (BERT's positions stop at 512)."""
+MIN_MEMBER_BYTES = 2 * 512
+"""One sample is one tar member: a 512-byte header plus at least one 512-byte data block. A shard's byte size therefore
+bounds its sample count, so a forged ``samples`` is refused before any buffer is sized from it."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -65,6 +70,9 @@ class ShardInfo:
                  "an integer >= 0")
         _require(isinstance(self.sha256, str) and _SHA256.fullmatch(self.sha256) is not None,
                  f"shards[{self.name}].sha256", self.sha256, "64 lowercase hex digits")
+        _require(self.samples * MIN_MEMBER_BYTES <= self.bytes, f"shards[{self.name}].samples", self.samples,
+                 f"at most {self.bytes // MIN_MEMBER_BYTES} for a {self.bytes}-byte shard "
+                 f"({MIN_MEMBER_BYTES} bytes per sample at least)")
 
 
 @dataclass
@@ -92,12 +100,14 @@ class ShardIndex:
             value = getattr(self, name)
             _require(_is_int(value) and value >= (0 if name in ("seed", "total_samples") else 1), name, value,
                      "a non-negative integer" if name in ("seed", "total_samples") else "a positive integer")
+        _require(self.seq_len <= MAX_SEQ_LEN, "seq_len", self.seq_len, f"at most {MAX_SEQ_LEN}")
         _require(self.id_dtype in ("<u2", "<u4"), "id_dtype", self.id_dtype, "'<u2' or '<u4'")
         _require(self.vocab_size <= 1 << (8 * int(self.id_dtype[2])), "vocab_size", self.vocab_size,
                  f"at most {1 << (8 * int(self.id_dtype[2]))} for id_dtype {self.id_dtype!r}")
         for name, kind in (("vocab_sha256", str), ("lowercase", bool), ("masking", dict), ("pairing", dict),
                            ("extra", dict), ("shards", list)):
             _require(isinstance(getattr(self, name), kind), name, getattr(self, name), f"a JSON {kind.__name__}")
+        self._check_masking()
         for i, s in enumerate(self.shards):
             _require(isinstance(s, ShardInfo | dict), f"shards[{i}]", s, "an object")
         self.shards = [s if isinstance(s, ShardInfo) else ShardInfo(**s) for s in self.shards]
@@ -106,8 +116,19 @@ class ShardIndex:
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"field 'shards' lists {dup!r} twice")
         counted = sum(s.samples for s in self.shards)
-        if self.shards and self.total_samples != counted:
-            raise ValueError(f"index.json: total_samples={self.total_samples} but shards hold {counted}")
+        if self.total_samples != counted:
+            raise ValueError(f"field 'total_samples' is {self.total_samples!r:.80}, but its shards hold {counted}")
+
+    def _check_masking(self) -> None:
+        """The masking numbers the loader sizes its buffers from: checked here, before anything is allocated."""
+        if "max_predictions" in self.masking:
+            value = self.masking["max_predictions"]
+            _require(_is_int(value) and 0 <= value <= self.seq_len, "masking.max_predictions", value,
+                     f"an integer in [0, seq_len={self.seq_len}]")
+        if "masked_lm_prob" in self.masking:
+            value = self.masking["masked_lm_prob"]
+            _require(isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1,
+                     "masking.masked_lm_prob", value, "a number in [0, 1]")
 
     def write(self, directory: str | Path) -> Path:
         """Write ``index.json`` atomically (temp file + rename)."""

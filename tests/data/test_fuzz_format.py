@@ -10,11 +10,12 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bert_ds.data.format import Sample, ShardError, decode_sample, encode_sample
-from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardWriter, shard_name
+from bert_ds.data.index import INDEX_NAME, MIN_MEMBER_BYTES, ShardIndex, ShardWriter, shard_name
 from bert_ds.data.reader import ShardReader, scan_tar
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -96,6 +97,10 @@ def test_mutated_shard_scan_and_headers(seeds, edits, cut):
         index.shards[0].bytes = len(data)
         index.shards[0].samples = len(members) if members is not None else index.shards[0].samples
         index.write(directory)
+        if index.shards[0].samples * MIN_MEMBER_BYTES > len(data):  # a cut shard too small for the samples it claims
+            with pytest.raises(ValueError, match=r"'shards\[shard-000000.tar\].samples' is \d+, need at most"):
+                ShardReader(directory, verify="headers")
+            return
         reader = ShardReader(directory, verify="headers")
         try:
             for i in range(index.shards[0].samples):
