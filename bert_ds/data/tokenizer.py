@@ -310,14 +310,24 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
                     if skipped.long_lines or skipped.long_sentences else "")
             raise ValueError(f"no text to train a tokenizer on in {', '.join(str(f) for f in files[:5])}"
                              f"{', ...' if len(files) > 5 else ''}{note}")
-        tok.save_model(str(stage))
-        tok.save(str(stage / "tokenizer.json"))
+        # Written by Python, not by tokenizers' Rust save (whose failures, a full disk among them, surface as a bare
+        # Exception): an OSError names the file and is reported as one line with exit 2.
+        by_id = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+        _write_text(stage / VOCAB_NAME, "".join(f"{token}\n" for token, _ in by_id), out)
+        _write_text(stage / "tokenizer.json", tok.to_str(), out)
         meta = {"lowercase": not cased,
                 "limits": {"max_document_bytes": max_document_bytes, "max_sentence_chars": max_sentence_chars},
                 "skipped": {"long_lines": skipped.long_lines, "long_sentences": skipped.long_sentences}}
-        (stage / META_NAME).write_text(json.dumps(meta) + "\n")
+        _write_text(stage / META_NAME, json.dumps(meta) + "\n", out)
         _install(stage, out)
     return out
+
+
+def _write_text(path: Path, text: str, out: Path) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:  # ENOSPC and friends carry no file name: add the one the user chose
+        raise OSError(exc.errno, f"writing {path.name} for {out}: {exc.strerror}") from None
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:
