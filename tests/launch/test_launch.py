@@ -96,7 +96,19 @@ def test_cli_writes_a_hostfile_and_fails_in_one_line(tmp_path, capsys):
 def test_slurm_master_port_is_shared_by_a_job_and_differs_between_jobs():
     ports = {slurm_master_port({"SLURM_JOB_ID": str(job)}) for job in range(1000, 1100)}
     assert len(ports) == 100 and all(20000 <= p < 40000 for p in ports)
-    assert slurm_master_port({"SLURM_JOB_ID": "123"}) == slurm_master_port({"SLURM_JOB_ID": "123"})
+    # Every task of a job computes the port from its own environment, whose task-local variables differ: the port
+    # must not depend on them.
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-02]"}
+    tasks = [{**job, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 8), "SLURM_NODEID": str(r // 8),
+              "SLURMD_NODENAME": f"gpu{r // 8 + 1:02d}"} for r in range(16)]
+    assert {slurm_master_port(task) for task in tasks} == {slurm_master_port(job)}
+    # ... and slurm/pretrain_common.sh computes the same port in bash for the ranks it starts.
+    rule = next(ln for ln in (REPO / "slurm" / "pretrain_common.sh").read_text().splitlines()
+                if ln.startswith("export MASTER_PORT="))
+    for job_id in (123, 19_999, 20_000, 987_654):
+        proc = subprocess.run(["bash", "-c", f'SLURM_JOB_ID={job_id}; {rule}; echo "$MASTER_PORT"'],
+                              env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=60, check=True)
+        assert int(proc.stdout) == slurm_master_port({"SLURM_JOB_ID": str(job_id)}), (job_id, proc.stdout)
 
 
 @pytest.mark.parametrize(("env", "path"), [

@@ -228,11 +228,15 @@ def test_bind_optimizer_refuses_unknown_wrapper():
 
 def test_recipe_trust_ratio_option():
     from bert_ds.optim import TRUST_RATIO_RULES
-    from bert_ds.recipe import OptimizerConfig
+    from bert_ds.recipe import _TRUST_RATIO_RULES, OptimizerConfig
 
     assert OptimizerConfig().trust_ratio == "all"  # what recipes saved before the option existed trained with
+    # The recipe validates the option with its own list: every rule either side knows, both sides must accept.
+    assert set(_TRUST_RATIO_RULES) == set(TRUST_RATIO_RULES)
     for rule in TRUST_RATIO_RULES:
-        assert OptimizerConfig(trust_ratio=rule).trust_ratio == rule
+        OptimizerConfig(trust_ratio=rule)
+        lamb = build_optimizer("lamb", make_model(), lr=1e-3, trust_ratio=rule)
+        assert {group["trust_ratio"] for group in lamb.param_groups} == {rule}
     with pytest.raises(ValueError, match="optimizer.trust_ratio='nvlamb'"):
         OptimizerConfig(trust_ratio="nvlamb")
     with pytest.raises(ValueError, match="LAMB setting"):

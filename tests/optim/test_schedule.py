@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bert_ds.optim import NVIDIA_BERT_POWER, warmup_poly_decay
+from bert_ds.optim import warmup_poly_decay
 
 
 def test_key_steps():
@@ -25,12 +25,20 @@ def test_power_one_is_linear_and_no_warmup():
 
 
 def test_nvidia_compatible_decay():
-    assert NVIDIA_BERT_POWER == 0.5
-    f = warmup_poly_decay(total_steps=7038, warmup_fraction=0.2843, decay_from_start=True)
-    warmup = int(0.2843 * 7038)
-    assert f(warmup - 1) == pytest.approx(1.0)
-    # NVIDIA's PolyWarmUpScheduler: base_lr * (1 - progress) ** 0.5 after warmup (a drop at the warmup end)
-    assert f(warmup) == pytest.approx((1 - (warmup + 1) / 7038) ** 0.5)
+    """The default power (and the recipe's default ``decay_power``) with ``decay_from_start`` follows NVIDIA's
+    ``PolyWarmUpScheduler(degree=0.5)`` after warm-up: base_lr * (1 - n / T) ** 0.5 for the n-th update, written out
+    here with its own literal degree (a drop at the warmup end)."""
+    from bert_ds.recipe import PhaseConfig
+
+    total, fraction = 7038, 0.2843
+    warmup = int(fraction * total)
+    for f in (warmup_poly_decay(total_steps=total, warmup_fraction=fraction, decay_from_start=True),
+              warmup_poly_decay(total, fraction, PhaseConfig.__dataclass_fields__["decay_power"].default,
+                                decay_from_start=True)):
+        assert f(warmup - 1) == pytest.approx(1.0)
+        decay = [f(step) for step in range(warmup, total - 1)]
+        nvidia = [(1.0 - (step + 1) / total) ** 0.5 for step in range(warmup, total - 1)]
+        assert decay == pytest.approx(nvidia, rel=1e-12)
 
 
 def test_lambda_lr_drives_optimizer_lr():
