@@ -89,7 +89,12 @@ class PhaseConfig:
     max_predictions: int
     """Masked positions per sequence (Google/NVIDIA: 20 at seq 128, 80 at seq 512); shards must match."""
     decay_power: float = 0.5
-    """Polynomial decay power after warm-up (NVIDIA's PolyWarmUpScheduler uses 0.5)."""
+    """Polynomial decay power after warm-up (NVIDIA's PolyWarmUpScheduler uses 0.5; 1.0 is linear decay)."""
+    schedule_steps: int | None = None
+    """Length of the warm-up + decay schedule when it is longer than the phase (``None``: ``steps``). Warm-up is
+    ``warmup_fraction * schedule_steps`` and the lr would reach 0 at ``schedule_steps``; the phase stops at ``steps``.
+    The BERT paper decays linearly over 1M steps but switches to seq 512 at step 900,000: phase 1 runs 900,000 steps
+    of a 1,000,000-step schedule, and phase 2 continues the same line from the lr it had reached."""
     target_mlm_accuracy: float | None = None
     """Stop the phase early once evaluation MLM accuracy reaches this (MLPerf: 0.720); needs eval data."""
     eval_interval: int = 0
@@ -110,6 +115,10 @@ class PhaseConfig:
             _positive_int("phase", name, getattr(self, name))
         for name in ("eval_interval", "checkpoint_interval"):
             _non_negative_int("phase", name, getattr(self, name))
+        if self.schedule_steps is not None:
+            _positive_int("phase", "schedule_steps", self.schedule_steps)
+            if self.schedule_steps < self.steps:
+                raise ValueError(f"phase.schedule_steps={self.schedule_steps} is shorter than phase.steps={self.steps}")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"phase.global_batch_size={self.global_batch_size} is not a multiple of "
                              f"phase.micro_batch_size={self.micro_batch_size}")
@@ -154,6 +163,10 @@ class DeepSpeedSection:
     """ZeRO 1/2: elements reduced per bucket (DeepSpeed's default 5e8)."""
     allgather_bucket_size: int = 500_000_000
     """ZeRO 1/2: elements all-gathered per bucket after the step (DeepSpeed's default 5e8)."""
+    process_group_timeout_s: float | None = None
+    """Seconds a collective may wait for a rank before the process group fails (NCCL's watchdog then ends the job).
+    ``None``: DeepSpeed's default (10 minutes, or ``$DEEPSPEED_TIMEOUT`` minutes). Raise it when one rank works alone
+    for long, e.g. a slow shared file system under checkpoint writes (DeepSpeed#6705)."""
 
     def __post_init__(self) -> None:
         for name in ("overlap_comm", "contiguous_gradients"):
@@ -161,6 +174,11 @@ class DeepSpeedSection:
                 raise ValueError(f"deepspeed.{name}={getattr(self, name)!r} must be true or false")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             _positive_int("deepspeed", name, getattr(self, name))
+        timeout = self.process_group_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not 0 < timeout < float("inf")):
+            raise ValueError(f"deepspeed.process_group_timeout_s={timeout!r} must be a positive number of seconds "
+                             f"(or null for DeepSpeed's default)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage={self.zero_stage!r}: choose 0, 1, 2 or 3")
         if self.precision not in _PRECISIONS:
@@ -293,10 +311,11 @@ def gradient_accumulation_steps(phase: PhaseConfig, world_size: int, where: str 
 
 
 # Fields that may change between a checkpoint and its resume without changing the numbers the run produces.
-_RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointing"}
+_RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointing",
+                "deepspeed.process_group_timeout_s"}
 _PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy"}
 # Phase fields added after checkpoints were first written: a saved recipe without them used these values.
-_PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8}
+_PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8, "schedule_steps": None}
 # Optimizer fields added later: recipes saved before ``trust_ratio`` existed applied the trust ratio to every tensor.
 _OPTIMIZER_ADDED_DEFAULTS = {"trust_ratio": "all"}
 

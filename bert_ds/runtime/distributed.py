@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["EXTENSION_LOCK_STALE_S", "check_master_addr", "extension_build_locks", "init_distributed", "launch_path",
            "prebuild_extensions", "release_shm_buffers", "seed_everything", "sigchld_deferred",
-           "wait_for_extension_builds"]
+           "use_node_local_caches", "wait_for_extension_builds"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,18 @@ def _env_single_process() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
+def use_node_local_caches(env: MutableMapping[str, str]) -> dict[str, str]:
+    """Point the Triton and torch-extension caches at node-local storage inside a Slurm job, unless the user set them
+    (:func:`bert_ds.runtime.launch.node_local_caches`); returns what was set. Called before anything compiles."""
+    from bert_ds.runtime.launch import node_local_caches
+
+    chosen = node_local_caches(env)
+    env.update(chosen)
+    for var, path in chosen.items():
+        log.info("%s=%s (node-local for this Slurm job; export %s to choose another)", var, path, var)
+    return chosen
+
+
 def check_master_addr(env: Mapping[str, str]) -> None:
     """Refuse a MASTER_ADDR this host cannot resolve (a typo, a stale export, a Slurm node name from another cluster):
     every rank would otherwise retry the rendezvous until its 30-minute timeout, printing only c10d warnings."""
@@ -163,12 +175,17 @@ def check_master_addr(env: Mapping[str, str]) -> None:
                          f"MASTER_ADDR as rank 0's hostname or IP address reachable from every node") from exc
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the launcher's process group (or create a one-rank group); returns (rank, world size)."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the launcher's process group (or create a one-rank group); returns (rank, world size). ``timeout_s``
+    (recipe ``deepspeed.process_group_timeout_s``) bounds how long a collective waits for a late rank; None keeps
+    DeepSpeed's default."""
+    import datetime
+
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
+    use_node_local_caches(os.environ)  # before anything compiles or takes a build lock
     path = launch_path(os.environ)
     port = 29500
     if path == "srun":
@@ -187,7 +204,9 @@ def init_distributed() -> tuple[int, int]:
     if path != "mpirun":  # mpirun: DeepSpeed's discovery sets MASTER_ADDR to rank 0's own address
         check_master_addr(os.environ)
     wait_for_extension_builds()  # DeepSpeed's backend builds its shm extension here on CPU, under a lock
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port,
+                               **timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -171,7 +171,8 @@ def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, wo
             lamb_kw["min_trust"], lamb_kw["max_trust"] = opt.trust_clamp
     optimizer = build_optimizer(opt.name, model, phase.lr, weight_decay=opt.weight_decay, betas=opt.betas,
                                 eps=opt.eps, zero_stage=recipe.deepspeed.zero_stage, **lamb_kw)
-    scheduler = LambdaLR(optimizer, warmup_poly_decay(phase.steps, phase.warmup_fraction, phase.decay_power))
+    schedule_steps = phase.schedule_steps or phase.steps  # a schedule longer than the phase: the paper's recipe
+    scheduler = LambdaLR(optimizer, warmup_poly_decay(schedule_steps, phase.warmup_fraction, phase.decay_power))
     clip = None
     if own_stage0_clip(recipe.deepspeed.zero_stage, precision):
         clip = GlobalNormClip(recipe.deepspeed.gradient_clipping).attach(optimizer)

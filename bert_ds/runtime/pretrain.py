@@ -124,7 +124,7 @@ def train(args: argparse.Namespace) -> int:
     from bert_ds.runtime.distributed import init_distributed, release_shm_buffers
 
     recipe = load_recipe(args.recipe)
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed(recipe.deepspeed.process_group_timeout_s)
     try:
         return run(plan_run(args, recipe, rank, world_size))
     finally:
