@@ -22,15 +22,13 @@ from torch import nn
 
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint
 from bert_ds.config import BertConfig
+from bert_ds.data.batch import MODEL_INPUTS
 
 __all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "load_checkpoint_model", "recipe_kernels", "evaluate_checkpoint",
            "main"]
 
 log = logging.getLogger(__name__)
 
-MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
-                "next_sentence_label")
-"""Batch keys passed to the model (the loader's ``lengths`` is not a model input)."""
 
 RECIPE_NAME = "recipe.json"
 """The resolved recipe a run writes into its run directory, beside ``checkpoints/``

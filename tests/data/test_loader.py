@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from bert_ds.data.loader import (
-    BATCH_KEYS,
-    IGNORE_INDEX,
-    DynamicMasking,
-    build_eval_loader,
-    build_loader,
-)
+from bert_ds.data.batch import BATCH_KEYS, IGNORE_INDEX, check_batch
+from bert_ds.data.loader import DynamicMasking, build_eval_loader, build_loader
 from bert_ds.data.reader import ShardError, ShardReader
 from bert_ds.data.synthetic import ID_BASE, sample_ids_of_batch, write_synthetic_shards
 from bert_ds.data.tokenizer import continuation_table, read_vocab
@@ -71,11 +66,7 @@ def _assert_same(batches_a, batches_b):
 def test_batch_layout(data):
     (loader,) = _loaders(data, 1, 16, num_workers=0)
     batch = next(iter(loader))
-    assert {k: tuple(v.shape) for k, v in batch.items()} == {
-        "input_ids": (16, SEQ), "token_type_ids": (16, SEQ), "attention_mask": (16, SEQ),
-        "masked_lm_positions": (16, MAXP), "masked_lm_ids": (16, MAXP), "next_sentence_label": (16,),
-        "lengths": (16,)}
-    assert all(v.dtype == torch.int64 for v in batch.values())
+    assert check_batch(batch, seq_len=SEQ, max_predictions=MAXP) == {"B": 16, "S": SEQ, "P": MAXP}
     reader = ShardReader(data)
     for row, gid in enumerate(sample_ids_of_batch(batch)):  # default = the static masks stored in the shards
         s = reader.get(int(gid))

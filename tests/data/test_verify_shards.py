@@ -152,9 +152,10 @@ def test_masked_position_outside_pair_is_named(shards):
 def test_dying_worker_names_its_shard(shards):
     loader = build_loader(shards, global_batch_size=50, micro_batch_size=50, num_workers=1, shuffle=False,
                           prefetch_factor=1)
+    others = {p.pid for p in multiprocessing.active_children()}  # workers of loaders earlier tests left to the GC
     stream = iter(loader)
     next(stream)
-    workers = multiprocessing.active_children()
+    workers = [p for p in multiprocessing.active_children() if p.pid not in others]
     assert workers
     deadline = time.monotonic() + HANG_GUARD_S
     with pytest.raises(LoaderWorkerError, match=r"worker 0 \(pid \d+\) was reading shards/shard-00000\d\.tar "

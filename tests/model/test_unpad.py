@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from bert_ds.config import model_preset
+from bert_ds.data.batch import MODEL_INPUTS as FIELDS
 from bert_ds.data.loader import DynamicMasking, build_loader
 from bert_ds.data.tokenizer import read_vocab
 from bert_ds.model import BertForPreTraining
 from bert_ds.model import unpad as unpad_
-
-FIELDS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
-          "next_sentence_label")
 
 
 def _twins(vocab_size: int, seed: int = 0) -> tuple[BertForPreTraining, BertForPreTraining]:

@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 
 from bert_ds.config import model_preset
+from bert_ds.data.batch import MODEL_INPUTS
 from bert_ds.data.loader import build_loader
 from bert_ds.devtools.benchmarks.timing import alternate, paired_ratio, summary
 from bert_ds.model import BertForPreTraining
 
 __all__ = ["FIELDS", "dense_labels", "real_batches", "step_benchmark"]
 
-FIELDS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
-          "next_sentence_label")
+FIELDS = MODEL_INPUTS
+"""The model's inputs in its argument order (:data:`bert_ds.data.batch.MODEL_INPUTS`)."""
 
 
 def real_batches(data_dir: Path, batch_size: int, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
