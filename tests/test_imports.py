@@ -6,7 +6,10 @@
   single-device and the Hugging Face import/export sits above it (``bert_ds.export.hf.load_hf_pretrained``).
 * ``bert_ds/data`` follows its pipeline: a module imports its own stage or earlier ones, never a later one (the order
   is :data:`DATA_STAGES`). Function-level imports count too.
-* ``bert_ds.checkpoint`` owns the run directory; export and evaluation call it, never the other way round.
+* ``bert_ds.checkpoint`` owns the run directory: it writes and reads it (resume and hand-off included); export,
+  evaluation and the trainer call it, never the other way round, and neither the trainer nor the DeepSpeed internals
+  module names a file of the run directory.
+* No import cycle anywhere in ``bert_ds`` (module-level and function-level imports: a lazy import only hides a cycle).
 * ``tools/`` are thin CLIs over the package: they never import ``tests``.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,13 +40,19 @@ DATA_STAGES = {
     "create": 6,  # text -> shards (the whole offline pipeline)
     "reader": 6,  # shards -> samples
     "synthetic": 6,  # random shards for tests and benchmarks
-    "loader": 7,  # samples -> batches, rank/worker split, dynamic masking
+    "batch": 7,  # the batch contract: fields, shapes, dtype (what the loader yields and the trainer consumes)
+    "dynamic_masking": 7,  # re-masking each epoch inside the loader
+    "epoch_order": 7,  # the loader's per-epoch sample order
+    "collate": 7,  # samples -> one packed micro batch (read, mask, check)
+    "workers": 7,  # the loader's DataLoader worker processes; a dead worker named
+    "loader": 7,  # samples -> batches, rank/worker split, resumable state
 }
 """Stage of each ``bert_ds.data`` module in the pipeline text -> tokenizer -> pairs -> masking -> format -> index ->
 create/reader -> loader. Modules of the same stage may import each other; none imports a later stage."""
 
 NO_DEEPSPEED = ["bert_ds.model", "bert_ds.data", "bert_ds.data.create", "bert_ds.data.loader", "bert_ds.export",
-                "bert_ds.checkpoint", "bert_ds.evaluate", "bert_ds.downstream.finetune", "bert_ds.downstream.features"]
+                "bert_ds.checkpoint", "bert_ds.safe_load", "bert_ds.evaluate", "bert_ds.downstream.finetune",
+                "bert_ds.downstream.features"]
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -122,8 +132,156 @@ def test_data_modules_import_only_their_own_or_earlier_stages():
 
 
 def test_the_run_directory_owner_does_not_import_its_readers():
-    readers = ("bert_ds.export", "bert_ds.evaluate", "bert_ds.runtime.engine", "bert_ds.runtime.pretrain")
-    assert sorted(n for n in _imports_of(PACKAGE / "checkpoint.py") if _under(n, readers)) == []
+    readers = ("bert_ds.export", "bert_ds.evaluate", "bert_ds.runtime.engine", "bert_ds.runtime.pretrain",
+               "bert_ds.runtime.trainer", "bert_ds.runtime.distributed", "bert_ds.data.loader")
+    bad = {path.name: sorted(n for n in _imports_of(path) if _under(n, readers))
+           for path in sorted((PACKAGE / "checkpoint").glob("*.py"))}
+    assert bad and {name: names for name, names in bad.items() if names} == {}
+
+
+# ---- no import cycle ------------------------------------------------------------------------------------------------
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """``bert_ds`` module -> the ``bert_ds`` modules it imports, at module level or inside functions. ``from P import
+    x`` is an edge to ``P.x`` when that is a module, else to ``P`` (a package's ``__init__`` when ``P`` is one);
+    ``import a.b.c`` to the longest module it names. Parent packages that a submodule import runs implicitly are not
+    edges: every package whose ``__init__`` re-exports its modules would look cyclic."""
+    paths = sorted(root.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+
+    def longest_module(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for path in paths:
+        me = module_name(path)
+        package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(longest_module(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in modules else longest_module(base))
+        graph[me] = targets - {"", me}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    # The cycle this check was written for: the DeepSpeed internals module importing LAMB's exception back, while
+    # LAMB imports the internals (function-level, both ways). Put that edge back and the finder reports it.
+    graph = import_graph()
+    assert "bert_ds.runtime.deepspeed_internals" in graph["bert_ds.optim.lamb"]
+    graph["bert_ds.runtime.deepspeed_internals"].add("bert_ds.optim.lamb")
+    assert ["bert_ds.optim.lamb", "bert_ds.runtime.deepspeed_internals"] in import_cycles(graph)
+
+
+def test_no_import_cycle_in_bert_ds():
+    graph = import_graph()
+    assert len(graph) > 50 and "bert_ds.safe_load" in graph
+    assert import_cycles(graph) == []
+
+
+def test_safe_load_is_a_leaf():
+    assert import_graph()["bert_ds.safe_load"] == set()
+
+
+# ---- resume reads the run directory through its owner ---------------------------------------------------------------
+
+_RUN_DIR_FILES = re.compile(r"run_state|latest|rng_rank|zero_pp_rank|mp_rank_|optim_states|model_states|\.pt\b|"
+                            r"phase\d+-step")
+"""Names of files of the run directory (``bert_ds.checkpoint.layout``)."""
+_RUN_DIR_READERS = {"read_run_state", "read_latest", "resolve_tag", "list_tags", "load_rng_state", "rng_file",
+                    "load_tensor_file", "deepspeed_loads_weights_only", "consolidated_state_dict", "RUN_STATE_NAME"}
+"""``bert_ds.checkpoint`` functions that read single files of a checkpoint: the owner's own building blocks."""
+
+
+def run_dir_references(source: str) -> list[str]:
+    """String constants naming a run directory file, checkpoint file readers, and ``torch.load`` calls in ``source``."""
+    tree = ast.parse(source)
+    prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in prose:  # docstrings may name files; code may not
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _RUN_DIR_FILES.search(node.value):
+            found.append(repr(node.value))
+        elif isinstance(node, ast.Attribute) and (node.attr in _RUN_DIR_READERS or node.attr == "load"
+                                                  and isinstance(node.value, ast.Name) and node.value.id == "torch"):
+            found.append(node.attr)
+        elif isinstance(node, ast.alias) and node.name in _RUN_DIR_READERS:
+            found.append(node.name)
+    return found
+
+
+@pytest.mark.parametrize(("module", "may_import"), [("runtime/trainer.py", ("bert_ds.checkpoint",)),
+                                                    ("runtime/deepspeed_internals.py", ())])
+def test_resume_reads_the_run_directory_through_its_owner(module, may_import):
+    """The trainer asks the owner (``restore_run``, ``open_handoff``, ``save_checkpoint``) and names no file of the
+    run directory; the DeepSpeed internals module gets what the owner has read and imports neither it nor the
+    loading machinery."""
+    path = PACKAGE / module
+    assert run_dir_references(path.read_text(encoding="utf-8")) == [], f"{module} reads run directory files itself"
+    owners = ("bert_ds.checkpoint", "bert_ds.safe_load")
+    assert sorted(n for n in _imports_of(path) if _under(n, owners) and not _under(n, may_import)) == []
+
+
+def test_the_trainer_resumes_and_hands_off_through_the_checkpoint_package():
+    source = (PACKAGE / "runtime" / "trainer.py").read_text(encoding="utf-8")
+    assert "ckpt.restore_run(" in source and "ckpt.open_handoff(" in source
+    # The scan above sees the old way: the trainer reading run_state.json and each rank's RNG file itself.
+    old = ('saved_world = ckpt.read_run_state(plan.ckpt_dir, tag)["world_size"]\n'
+           'rng_file = plan.ckpt_dir / tag / f"rng_rank{plan.rank:05d}.pt"\n')
+    assert {"read_run_state", "'rng_rank'", "'.pt'"} <= set(run_dir_references(old))
 
 
 def test_tools_do_not_import_tests():

@@ -185,11 +185,20 @@ class ZeroAwareLamb(Optimizer):
         Raises for ZeRO stage 3 and for wrappers whose layout this class does not know, so LAMB is never silently
         per-slice.
         """
-        from bert_ds.runtime.deepspeed_internals import is_zero3_optimizer
+        from bert_ds.runtime.deepspeed_internals import zero_setup
 
-        if is_zero3_optimizer(zero_optimizer):
+        setup = zero_setup(zero_optimizer)
+        if setup.stage3:
             raise UnsupportedZeroSetup("ZeroAwareLamb does not support ZeRO stage 3: its sub-group partitions would "
                                       "give per-slice trust ratios. Use ZeRO stage 1 or 2, or AdamW under stage 3.")
+        if setup.cpu_offload:
+            raise UnsupportedZeroSetup("ZeroAwareLamb under ZeRO offload_optimizer is not supported (untested); "
+                                       "drop zero_optimization.offload_optimizer")
+        if setup.torch_autocast or setup.zenflow:
+            raise UnsupportedZeroSetup("ZeroAwareLamb does not support torch_autocast or ZenFlow under ZeRO")
+        if setup.mixed_dp_groups:
+            raise UnsupportedZeroSetup(f"ZeroAwareLamb: param group(s) {list(setup.mixed_dp_groups)} use a different "
+                                       "data-parallel group (MoE expert groups are not supported)")
         if getattr(zero_optimizer, "optimizer", None) is not self:
             raise ValueError("ZeroAwareLamb.bind_zero: the given ZeRO optimizer does not wrap this optimizer")
         layout = zero_layout(zero_optimizer)

@@ -4,24 +4,23 @@ Written against DeepSpeed 0.19.x (checked on 0.19.8): ``runtime/zero/stage_1_and
 for the ZeRO 1/2 partition map that :class:`bert_ds.optim.ZeroAwareLamb` binds to, and for re-cutting elastic
 checkpoints on resume. DeepSpeed has no public API for either, so an upgrade may move what is read here; the version
 check refuses other releases before any compute, and ``tests/test_deepspeed_internals.py`` inspects the installed
-classes for every name listed in the ``ZERO_*`` tables below.
+classes for every name listed in the ``ZERO_*`` tables below. This module reports facts and performs mechanics; its
+callers decide policy: ZeroAwareLamb what setups it refuses (:func:`zero_setup`), :mod:`bert_ds.checkpoint` what it
+resumes (:func:`recut_zero_partitions` re-cuts partitions that module has read).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import deepspeed
 import deepspeed.comm as dist
 import torch
 
-from bert_ds.checkpoint import deepspeed_loads_weights_only, load_tensor_file
-
 __all__ = ["SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES", "ZERO_CHECKPOINT_KEYS", "ZERO_OPTIMIZER_ATTRIBUTES",
-           "ZERO_OPTIMIZER_METHODS", "ZeroGroupPartition", "ZeroPartitionMap", "check_deepspeed_version",
-           "is_zero3_optimizer", "load_checkpoint", "load_optimizer_moments", "zero_partition_map"]
+           "ZERO_OPTIMIZER_METHODS", "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version",
+           "is_elastic_zero_state", "is_zero3_optimizer", "recut_zero_partitions", "zero_partition_map", "zero_setup"]
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
 """Supported DeepSpeed releases: ``>= 0.19, < 0.20`` (the internals below are those of 0.19.x)."""
@@ -96,31 +95,51 @@ def is_zero3_optimizer(optimizer) -> bool:
         hasattr(optimizer, a) for a in ZERO3_OPTIMIZER_ATTRIBUTES)
 
 
+def _check_zero_attributes(zo) -> None:
+    missing = [a for a in ZERO_OPTIMIZER_ATTRIBUTES if not hasattr(zo, a)]
+    if missing:
+        raise TypeError(f"{type(zo).__name__} has no {missing}: only DeepSpeed's ZeRO stage 1/2 optimizer "
+                        f"(DeepSpeedZeroOptimizer of deepspeed{_supported_range()}) is supported")
+
+
+@dataclass(frozen=True)
+class ZeroSetup:
+    """How a ZeRO optimizer is set up, as far as a client optimizer's view of its flat partitions depends on it."""
+
+    stage3: bool
+    cpu_offload: bool
+    """``offload_optimizer``: the fp32 partitions live on the CPU and are stepped there."""
+    torch_autocast: bool
+    zenflow: bool
+    mixed_dp_groups: tuple[int, ...]
+    """Param groups whose data-parallel group differs in size from the first (MoE expert groups)."""
+
+
+def zero_setup(zero_optimizer) -> ZeroSetup:
+    """The facts of :class:`ZeroSetup` for ``engine.optimizer``; TypeError when it is no ZeRO optimizer of the
+    supported DeepSpeed release (its attributes are missing)."""
+    zo = zero_optimizer
+    if is_zero3_optimizer(zo):
+        return ZeroSetup(stage3=True, cpu_offload=False, torch_autocast=False, zenflow=False, mixed_dp_groups=())
+    _check_zero_attributes(zo)
+    world_size = dist.get_world_size(group=zo.dp_process_group)
+    mixed = tuple(i for i, pg in enumerate(zo.real_dp_process_group) if dist.get_world_size(group=pg) != world_size)
+    return ZeroSetup(stage3=False, cpu_offload=bool(zo.cpu_offload),
+                     torch_autocast=zo.torch_autocast_gradscaler is not None, zenflow=bool(zo.zenflow),
+                     mixed_dp_groups=mixed)
+
+
 def zero_partition_map(zero_optimizer) -> ZeroPartitionMap:
     """Where each tensor of a ``DeepSpeedZeroOptimizer`` (stage 1/2) lies in this rank's flat partitions.
 
     ``stage_1_and_2.py`` lays tensors out in ``round_robin_bit16_groups`` order at ``round_robin_bit16_offsets``
     (alignment padding after each tensor), pads the flat group to a multiple of ``2 * world_size`` and cuts it into
-    equal partitions of ``partition_size[i]``. Raises for setups whose layout differs (offload, autocast, ZenFlow,
-    MoE expert groups); :class:`bert_ds.optim.UnsupportedZeroSetup` is a ValueError.
+    equal partitions of ``partition_size[i]``. The map describes the plain layout: a caller whose use depends on the
+    setup (offload, autocast, ZenFlow, MoE expert groups) asks :func:`zero_setup` first.
     """
-    from bert_ds.optim.lamb import UnsupportedZeroSetup  # bert_ds.optim imports this module lazily
-
     zo = zero_optimizer
-    missing = [a for a in ZERO_OPTIMIZER_ATTRIBUTES if not hasattr(zo, a)]
-    if missing:
-        raise TypeError(f"{type(zo).__name__} has no {missing}: only DeepSpeed's ZeRO stage 1/2 optimizer "
-                        f"(DeepSpeedZeroOptimizer of deepspeed{_supported_range()}) is supported")
-    if zo.cpu_offload:
-        raise UnsupportedZeroSetup("ZeroAwareLamb under ZeRO offload_optimizer is not supported (untested); "
-                                   "drop zero_optimization.offload_optimizer")
-    if zo.torch_autocast_gradscaler is not None or zo.zenflow:
-        raise UnsupportedZeroSetup("ZeroAwareLamb does not support torch_autocast or ZenFlow under ZeRO")
+    _check_zero_attributes(zo)
     world_size = dist.get_world_size(group=zo.dp_process_group)
-    for i, pg in enumerate(zo.real_dp_process_group):
-        if dist.get_world_size(group=pg) != world_size:
-            raise UnsupportedZeroSetup(f"ZeroAwareLamb: param group {i} uses a different data-parallel group "
-                                       "(MoE expert groups are not supported)")
     index_of, shapes = {}, []
     for group in zo.bit16_groups:
         for p in group:
@@ -144,81 +163,31 @@ def zero_partition_map(zero_optimizer) -> ZeroPartitionMap:
 
 
 # ---------------------------------------------------------------------------------------------- resume
-def load_checkpoint(engine, ckpt_dir: str | Path, tag: str, saved_world_size: int) -> dict:
-    """Load ``tag`` into ``engine`` and return DeepSpeed's client state, on any number of ranks under ZeRO 1/2.
-
-    DeepSpeed 0.19 cannot load its own elastic ZeRO checkpoints into a client optimizer without a ``step`` entry in
-    its param groups (``_restore_step_from_elastic_checkpoint`` asserts; ZeroAwareLamb keeps the step in its state),
-    and refuses a checkpoint from another data-parallel size outright, although the elastic format (flat per-rank
-    partitions with the padding stripped) holds everything needed. So for ZeRO 1/2 DeepSpeed loads the module,
-    scheduler and client state without optimizer state, and the fp32 master weights and every optimizer state tensor
-    (LAMB's ``exp_avg``/``exp_avg_sq``) are merged from all saved partitions and re-cut for this rank with the ZeRO
-    optimizer's own helpers. On the same rank count this reproduces each partition bit for bit.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    world_size = dist.get_world_size()
-    stage = engine.zero_optimization_stage()
-    if stage == 0:
-        if saved_world_size != world_size:
-            raise ValueError(f"checkpoint {tag!r} was written by {saved_world_size} ranks without ZeRO partitions "
-                             f"of its own; resume it on {saved_world_size} ranks or use ZeRO stage 1/2")
-        with deepspeed_loads_weights_only(ckpt_dir / tag):
-            load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
-        _apply_scheduler_lr(engine)
-        return client
-    if stage not in (1, 2):
-        raise ValueError(f"checkpoint {tag!r}: resuming needs ZeRO stage 0, 1 or 2 (deepspeed.zero_stage is {stage})")
-    with deepspeed_loads_weights_only(ckpt_dir / tag):
-        load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=False)
-    if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
-    saved = _zero_partitions(ckpt_dir / tag, saved_world_size)
-    zero = engine.optimizer
-    zero._load_global_state(saved[0])  # loss scaler, clip setting
-    zero._restore_from_elastic_fp32_weights(saved)
-    _restore_zero_optimizer_state(zero, saved)
-    zero.update_lp_params()  # bf16/fp16 model copies from the restored fp32 master (a plain copy in fp32)
-    _apply_scheduler_lr(engine)
-    return client
-
-
-def load_optimizer_moments(engine, ckpt_dir: str | Path, tag: str, saved_world_size: int) -> None:
-    """Phase hand-off: the optimizer state of ``tag`` (Adam/LAMB moments) with the step count reset to 0.
-
-    The weights come with the model (``consolidated_state_dict``) and the schedule stays the new phase's; this is what
-    NVIDIA's ``run_pretraining.py --phase2`` does (see :mod:`bert_ds.runtime.pretrain`)."""
-    tag_dir = Path(ckpt_dir) / tag
-    if engine.zero_optimization_stage() == 0:
-        optimizer = engine.optimizer
-        lrs = [group["lr"] for group in optimizer.param_groups]
-        saved = load_tensor_file(tag_dir / "mp_rank_00_model_states.pt")
-        optimizer.load_state_dict(saved["optimizer"])
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr  # the new phase's schedule, not the old phase's last lr
-        states = optimizer.state.values()
-    else:
-        zero = engine.optimizer
-        _restore_zero_optimizer_state(zero, _zero_partitions(tag_dir, saved_world_size))
-        states = [zero.optimizer.state[group["params"][0]] for group in zero.optimizer.param_groups]
-    for state in states:
-        if "step" in state:
-            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
-
-
-def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
-    """The ZeRO optimizer state dicts of every saved rank, in rank order."""
-    files = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=lambda f: int(f.name.split("_")[3]))
-    if len(files) != saved_world_size:
-        raise ValueError(f"checkpoint {tag_dir.name!r}: {len(files)} ZeRO partition files for {saved_world_size} "
-                         f"saved ranks")
+def is_elastic_zero_state(saved_file: dict) -> bool:
+    """Whether one loaded ``zero_pp_rank_*_optim_states.pt`` was saved with ``elastic_checkpoint`` (per-group flat
+    partitions with the padding stripped: re-cuttable for any rank count)."""
     state_key, base_key = ZERO_CHECKPOINT_KEYS
-    saved = [load_tensor_file(f)[state_key] for f in files]
-    if not isinstance(saved[0][base_key], list):
-        raise ValueError(f"checkpoint {tag_dir.name!r} was not saved with zero_optimization.elastic_checkpoint; it can "
-                         f"only be resumed on {saved_world_size} ranks")
-    return saved
+    return isinstance(saved_file[state_key][base_key], list)
+
+
+def recut_zero_partitions(zero_optimizer, saved_files: list[dict], weights: bool):
+    """Re-cut the ZeRO 1/2 state that N ranks saved (one loaded ``zero_pp_rank_*`` file per saved rank, in rank
+    order, elastic) into this rank's partition; returns the client optimizer (``zero_optimizer.optimizer``).
+
+    With ``weights`` the fp32 master weights, loss scaler and clip setting are restored too and the bit16 model copies
+    refreshed from them (a resume); without, only the client optimizer's state tensors (a phase hand-off, whose
+    weights come with the model). Uses the ZeRO optimizer's own merge-and-cut helpers, so on the same rank count each
+    partition is reproduced bit for bit.
+    """
+    zero = zero_optimizer
+    saved = [f[ZERO_CHECKPOINT_KEYS[0]] for f in saved_files]
+    if weights:
+        zero._load_global_state(saved[0])  # loss scaler, clip setting
+        zero._restore_from_elastic_fp32_weights(saved)
+    _restore_zero_optimizer_state(zero, saved)
+    if weights:
+        zero.update_lp_params()  # bf16/fp16 model copies from the restored fp32 master (a plain copy in fp32)
+    return zero.optimizer
 
 
 def _restore_zero_optimizer_state(zero, saved: list[dict]) -> None:
@@ -233,12 +202,3 @@ def _restore_zero_optimizer_state(zero, saved: list[dict]) -> None:
                 zero.optimizer.state[flat][key] = merged.to(device=flat.device, dtype=torch.float32).clone()
             else:  # scalars such as LAMB's step count are the same on every rank
                 zero.optimizer.state[flat][key] = first.clone() if torch.is_tensor(first) else first
-
-
-def _apply_scheduler_lr(engine) -> None:
-    """``LambdaLR.load_state_dict`` restores the step count but leaves the optimizer's lr at the fresh schedule's first
-    value until the next ``scheduler.step()``; the first resumed step must use the saved next lr."""
-    scheduler = engine.lr_scheduler
-    if scheduler is not None:
-        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from bert_ds import checkpoint as ckpt
+from bert_ds.data.batch import MODEL_INPUTS
+from bert_ds.data.workers import raise_if_worker_died
 from bert_ds.model.unpad import host_counts
-from bert_ds.runtime.distributed import seed_everything, sigchld_deferred
+from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint
 
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
@@ -28,7 +30,6 @@ __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a Slurm requeue wrapper checks for
 log = logging.getLogger("bert_ds.runtime.pretrain")
-_MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids")
 
 # Per-rank quantities a step sums over its micro batches; one all-reduce sums them over ranks. The flags are summed
 # too, so every rank sees whether *any* rank was signalled or holds non-finite weights, and decides the same.
@@ -89,9 +90,8 @@ def _micro_batch(te, it: Iterator[dict], nsp: bool, totals: torch.Tensor) -> Non
     batch = next(it)
     # The unpadded model's sizes, read from the CPU batch before it moves: the forward then needs no device sync.
     counts = host_counts(batch["attention_mask"], batch["masked_lm_ids"])
-    inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in _MODEL_INPUTS}
-    if nsp:
-        inputs["next_sentence_label"] = batch["next_sentence_label"].to(engine.device, non_blocking=True)
+    inputs = {k: batch[k].to(engine.device, non_blocking=True) for k in MODEL_INPUTS
+              if nsp or k != "next_sentence_label"}
     out = engine(**inputs, counts=counts)
     engine.backward(out.loss)
     engine.step()
@@ -199,23 +199,19 @@ class PhaseOutcome:
 
 
 def _build_model_and_engine(plan: RunPlan, p: int, start: StartPoint):
-    from bert_ds.runtime.deepspeed_internals import load_optimizer_moments
     from bert_ds.runtime.engine import build_engine, build_model
 
+    handoff = ckpt.open_handoff(plan.ckpt_dir, start.tag, p) if start.handoff else None
     state_dict = None
-    if start.handoff:
-        if not ckpt.read_run_state(plan.ckpt_dir, start.tag)["phase_done"]:
-            raise ValueError(f"phase {p + 1} cannot start from {start.tag!r}: its run_state.json has phase_done "
-                             f"false (phase {p} did not finish there)")
+    if handoff is not None:
         log.info("phase %d starts from %s: weights and optimizer moments, step count 0, new schedule", p + 1,
                  start.tag)
-        state_dict = ckpt.consolidated_state_dict(plan.ckpt_dir, start.tag)
+        state_dict = handoff.weights()
     init_hf = plan.args.init_from_hf if start.tag is None else None  # a fresh start of the first phase run
     model = build_model(plan.recipe, plan.model_config, init_from_hf=init_hf, state_dict=state_dict)
     te = build_engine(plan.recipe, p, model, plan.world_size)
-    if start.handoff:
-        saved_world = ckpt.read_run_state(plan.ckpt_dir, start.tag)["world_size"]
-        load_optimizer_moments(te.engine, plan.ckpt_dir, start.tag, saved_world)
+    if handoff is not None:
+        handoff.load_moments(te.engine)
     return te
 
 
@@ -247,18 +243,14 @@ def _build_loaders(plan: RunPlan, p: int):
 
 
 def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
-    """Mid-phase resume: engine, loader position and (same rank count) each rank's random streams."""
-    from bert_ds.runtime.deepspeed_internals import load_checkpoint
-
+    """Mid-phase resume: engine and (same rank count) each rank's random streams from the checkpoint, then the loader
+    position."""
     p, tag = ph.index, start.tag
-    saved_world = ckpt.read_run_state(plan.ckpt_dir, tag)["world_size"]
-    saved = load_checkpoint(ph.te.engine, plan.ckpt_dir, tag, saved_world)["bert_ds"]
+    restored = ckpt.restore_run(ph.te.engine, plan.ckpt_dir, tag, plan.rank)
+    saved = restored.run_state
     ph.loader.load_state_dict(saved["loader"])
     ph.consumed = saved["consumed_samples"]
-    rng_file = plan.ckpt_dir / tag / f"rng_rank{plan.rank:05d}.pt"
-    if saved["world_size"] == plan.world_size and rng_file.is_file():
-        ckpt.load_rng_state(rng_file)
-    else:  # another rank count: per-rank streams cannot carry over; dropout does not need them (DropoutKey)
+    if not restored.rng_restored:  # another rank count: dropout does not need per-rank streams (DropoutKey)
         seed_everything(plan.recipe.seed + 1000 * p + 7919 * start.step + plan.rank)
     log.info("resumed %s: phase %d step %d, %d samples consumed (saved on %d ranks, now %d)", tag, p + 1,
              start.step, ph.consumed, saved["world_size"], plan.world_size)
@@ -364,15 +356,18 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
     it = iter(ph.loader)
     ph.te.engine.train()
     while ph.step < phase.steps:
+        # A loader worker that died is reported at a step boundary, never inside an evaluation or a save (its SIGCHLD
+        # handler only records the death): here, one that died during the last step's eval or checkpoint ...
+        raise_if_worker_died()
         dropout = DropoutKey(seed=recipe.seed, phase=p, step=ph.step, rank=plan.rank, world_size=plan.world_size)
         rec = train_step(ph.te, it, recipe.nsp, preemption, dropout)
         ph.step += 1
         ph.consumed += phase.global_batch_size
         guard.check(rec, ph.step, ph.last_good, str(plan.ckpt_dir))
-        with sigchld_deferred():  # a worker dying now is reported once this step's eval and checkpoint are done
-            _log_step(plan, ph, rec, metrics)
-            done = _evaluate_and_maybe_stop(plan, ph, metrics, ph.step >= phase.steps)
-            code = _checkpoint_and_stop(plan, ph, rec, metrics, done)
+        raise_if_worker_died()  # ... and here, one that died during this step's compute (the step is not saved)
+        _log_step(plan, ph, rec, metrics)
+        done = _evaluate_and_maybe_stop(plan, ph, metrics, ph.step >= phase.steps)
+        code = _checkpoint_and_stop(plan, ph, rec, metrics, done)
         if code is not None:
             return PhaseOutcome(exit_code=code, last_tag=ph.last_good)
         if done:

@@ -322,3 +322,51 @@ def test_eval_loader_exactly_once_unshuffled(data):
         seen.extend(i for b in ids for i in b)
     assert sorted(seen) == list(range(N))
     assert len(list(build_eval_loader(data, micro_batch_size=64))) == 16  # the last holds 40 rows
+
+
+def test_a_dead_worker_is_recorded_then_raised_at_the_step_boundary(data, tmp_path):
+    """A worker killed while the main process saves a checkpoint: the SIGCHLD handler only records the death, so the
+    save runs to its end; :func:`raise_if_worker_died` (the trainer calls it at each step boundary) then raises it,
+    naming the shard. SIGCHLD is masked in the main thread meanwhile and another thread is alive: the kernel hands the
+    signal to that thread, and CPython still runs the handler in the main thread (why masking could not defer it)."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from bert_ds.data import workers
+    from bert_ds.data.workers import LoaderWorkerError, raise_if_worker_died
+    from tests.helpers import HANG_GUARD_S
+
+    others = {p.pid for p in multiprocessing.active_children()}  # workers of loaders earlier tests left to the GC
+    loader = build_loader(data, global_batch_size=G, micro_batch_size=G, num_workers=1, shuffle=False,
+                          prefetch_factor=1)
+    stream = iter(loader)
+    next(stream)
+    pool = [p for p in multiprocessing.active_children() if p.pid not in others]
+    assert pool and not workers._DIED
+    bystander = threading.Event()
+    thread = threading.Thread(target=bystander.wait)  # TensorBoard's writer, gloo's threads in a real run
+    thread.start()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    written = 0
+    try:
+        for worker in pool:
+            os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not workers._DIED:  # "the save": Python code writing files until the handler has run
+            (tmp_path / f"part{written % 4}").write_bytes(os.urandom(4096))
+            written += 1
+            assert time.monotonic() < deadline, "the SIGCHLD handler never ran"
+        for _ in range(100):  # and the save goes on to its end after the handler ran
+            (tmp_path / "rest").write_bytes(os.urandom(4096))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        bystander.set()
+        thread.join()
+    with pytest.raises(LoaderWorkerError, match=r"worker 0 \(pid \d+\) was reading shards/shard-00000\d\.tar "
+                                                r"member #\d+"):
+        raise_if_worker_died()
+    raise_if_worker_died()  # reported once
+    stream.close()

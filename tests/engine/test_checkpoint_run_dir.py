@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from bert_ds import checkpoint as ckpt
+from bert_ds.checkpoint import save as ckpt_save
 from bert_ds.config import model_preset
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO
@@ -84,16 +86,16 @@ def test_kill_during_prune_leaves_no_half_tag_and_debris_is_removed(tmp_path, mo
     for step in (1, 2, 3):
         _tag(d, f"phase1-step00000{step}")
     (d / "latest").write_text("phase1-step000003")
-    real_rmtree = ckpt.shutil.rmtree
+    real_rmtree = shutil.rmtree
 
     def killed_midway(path, ignore_errors=False):
         next(Path(path).iterdir()).unlink()  # one file gone, then the process dies
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         ckpt.prune_checkpoints(d, keep_last_k=2)
-    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     # the half-deleted tag is hidden: never listed, resumed or exported
     assert ckpt.list_tags(d) == ["phase1-step000002", "phase1-step000003"]
     assert (d / ".phase1-step000001.deleting").is_dir()
@@ -140,10 +142,10 @@ def test_publish_syncs_the_tag_before_latest_names_it(tmp_path, monkeypatch):
     (d / ".latest.tmp").write_text("phase1-step000002")
     events = []
     real_replace = os.replace
-    monkeypatch.setattr(ckpt, "_fsync", lambda path: events.append(("fsync", Path(path).name)))
-    monkeypatch.setattr(ckpt.os, "replace", lambda a, b: (events.append(("rename", Path(a).name, Path(b).name)),
+    monkeypatch.setattr(ckpt_save, "_fsync", lambda path: events.append(("fsync", Path(path).name)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", Path(a).name, Path(b).name)),
                                                           real_replace(a, b)))
-    ckpt._publish(d, tmp.name, "phase1-step000002")
+    ckpt_save._publish(d, tmp.name, "phase1-step000002")
     assert events == [("rename", "phase1-step000002.tmp", "phase1-step000002"), ("fsync", "checkpoints"),
                       ("rename", ".latest.tmp", "latest"), ("fsync", "checkpoints")]
     assert ckpt.read_latest(d) == "phase1-step000002"
@@ -158,7 +160,7 @@ def test_free_space_check_uses_the_newest_checkpoint_or_the_model_size(tmp_path,
     _tag(d, "phase1-step000001")
     needed = ckpt.check_free_space(tmp_path / "run", config)
     assert needed == int(1.1 * (1000 + len(json.dumps({"phase_done": False}))))
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=needed - 1))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=needed - 1))
     with pytest.raises(ckpt.CheckpointError, match=rf"{d}: 0.0 MiB free .* checkpoint phase1-step000001"):
         ckpt.check_free_space(tmp_path / "run", config)
 

@@ -1,0 +1,259 @@
+"""The run directory's layout: names, tags, ``latest``, run state, model config, tokenizer, debris of killed saves.
+
+Layout::
+
+    RUN_DIR/.lock                        flock of the live run: host, pid, start time (one run per directory)
+    RUN_DIR/recipe.json                  the resolved recipe of the run
+    RUN_DIR/tensorboard/                 metrics
+    RUN_DIR/checkpoints/                 DeepSpeed's save dir
+        latest                           tag of the newest *complete* checkpoint (written last, atomically)
+        model_config.json                BertConfig.save
+        tokenizer/                       vocab.txt, tokenizer_meta.json (the casing training used, always written)
+                                         (+ tokenizer.json, tokenizer_config.json when present)
+        phase1-step000040/               one DeepSpeed tag: mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt
+            run_state.json               recipe, phase, step, consumed samples, loader state, world size (readable
+                                         without torch; the same dict is DeepSpeed's client state)
+            rng_rank00000.pt ...         python / numpy / torch CPU (+ CUDA) RNG states of each rank
+
+Tags are ``phaseN-stepNNNNNN``; a tag is complete once its ``run_state.json`` exists (written last); ``<tag>.tmp`` (a
+save in progress), ``.<tag>.old`` (the tag being replaced) and ``.<tag>.deleting`` (a prune in progress) never parse
+as tags, so they are never listed, resumed or exported; :func:`remove_debris` deletes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bert_ds.config import BertConfig
+from bert_ds.data.tokenizer import META_NAME, load_tokenizer, read_lowercase
+from bert_ds.safe_load import CheckpointError
+
+__all__ = ["CHECKPOINT_DIR", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TOKENIZER_DIR_NAME", "CheckpointRef",
+           "CheckpointSaveError", "RunLockedError", "checkpoint_dir", "list_tags", "open_checkpoint", "parse_tag",
+           "read_latest", "read_model_config", "read_run_state", "remove_debris", "resolve_tag", "rng_file",
+           "tag_for", "tokenizer_dir", "write_run_metadata"]
+
+CHECKPOINT_DIR = "checkpoints"
+RUN_STATE_NAME = "run_state.json"
+MODEL_CONFIG_NAME = "model_config.json"
+TOKENIZER_DIR_NAME = "tokenizer"
+_TAG = re.compile(r"^phase(\d+)-step(\d+)$")
+_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed on some rank (disk full, quota, I/O error); the partial tag is gone, ``latest`` is intact."""
+
+
+class RunLockedError(CheckpointError):
+    """Another live process holds the run directory's lock."""
+
+
+log = logging.getLogger("bert_ds.checkpoint")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A resolved, complete checkpoint: everything needed to rebuild the model and its tokenizer."""
+
+    checkpoint_dir: Path
+    tag: str
+    config: BertConfig
+    tokenizer_dir: Path
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def tag_for(phase_index: int, step: int) -> str:
+    """``phase1-step000040``: 1-based phase, step within the phase (optimizer steps done)."""
+    return f"phase{phase_index + 1}-step{step:06d}"
+
+
+def parse_tag(tag: str) -> tuple[int, int] | None:
+    """(phase_index, step) of a bert_ds tag, or None for anything else."""
+    m = _TAG.match(tag)
+    return (int(m.group(1)) - 1, int(m.group(2))) if m else None
+
+
+def list_tags(ckpt_dir: str | Path) -> list[str]:
+    """bert_ds tags under ``ckpt_dir`` that hold a run state, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and parse_tag(p.name) and (p / RUN_STATE_NAME).is_file()]
+    return sorted(tags, key=parse_tag)
+
+
+def read_latest(ckpt_dir: str | Path) -> str | None:
+    """The tag ``latest`` names, None without a ``latest`` file; a CheckpointError if that tag is incomplete."""
+    path = Path(ckpt_dir) / "latest"
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    if not (Path(ckpt_dir) / tag / RUN_STATE_NAME).is_file():
+        raise CheckpointError(f"{path} names tag {tag!r} but {Path(ckpt_dir) / tag / RUN_STATE_NAME} is missing")
+    return tag
+
+
+def read_run_state(ckpt_dir: str | Path, tag: str) -> dict:
+    return json.loads((Path(ckpt_dir) / tag / RUN_STATE_NAME).read_text())
+
+
+def resolve_tag(ckpt_dir: str | Path, tag: str | None = None) -> str:
+    """``tag`` (or the one ``latest`` names) after checking it is a complete checkpoint of ``ckpt_dir``."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: not a directory")
+    tags = list_tags(ckpt_dir)
+    if tag is None:
+        tag = read_latest(ckpt_dir)
+        if tag is None:
+            if tags:
+                raise CheckpointError(f"{ckpt_dir}: no 'latest' file (the newest save may not have finished); pass a "
+                                      f"tag, complete ones: {tags}")
+            raise CheckpointError(f"{ckpt_dir}: no bert_ds checkpoint here (no 'latest' file, no complete tag)")
+        return tag
+    if tag in tags:
+        return tag
+    if parse_tag(tag) is not None and (ckpt_dir / tag).is_dir():
+        raise CheckpointError(f"{ckpt_dir / tag}: no {RUN_STATE_NAME}, so this checkpoint is incomplete (a save that "
+                              f"did not finish); pick a complete tag: {tags}")
+    raise CheckpointError(f"{ckpt_dir}: checkpoint tag {tag!r} not found; available: {tags or 'none'}")
+
+
+def read_model_config(ckpt_dir: str | Path) -> BertConfig:
+    path = Path(ckpt_dir) / MODEL_CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (training saves the model config beside the checkpoint tags)")
+    try:
+        return BertConfig.load(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def tokenizer_dir(ckpt_dir: str | Path) -> Path:
+    """The tokenizer copied beside the tags: a directory :func:`bert_ds.data.tokenizer.load_tokenizer` reads."""
+    path = Path(ckpt_dir) / TOKENIZER_DIR_NAME
+    if not (path / "vocab.txt").is_file():
+        raise CheckpointError(f"{path / 'vocab.txt'}: missing (training copies the tokenizer beside the checkpoint "
+                              f"tags)")
+    return path
+
+
+def open_checkpoint(ckpt_dir: str | Path, tag: str | None = None) -> CheckpointRef:
+    """Resolve ``tag`` (``latest`` unless given) and check the model config and the tokenizer agree on the
+    vocabulary, before anything reads tensors."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = resolve_tag(ckpt_dir, tag)
+    config = read_model_config(ckpt_dir)
+    tok_dir = tokenizer_dir(ckpt_dir)
+    try:
+        size = load_tokenizer(tok_dir).vocab_size
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{tok_dir}: cannot load the tokenizer: {exc}") from exc
+    if size != config.vocab_size:
+        raise CheckpointError(f"{ckpt_dir / MODEL_CONFIG_NAME}: vocab_size={config.vocab_size} but "
+                              f"{tok_dir / 'vocab.txt'} has {size} tokens")
+    return CheckpointRef(ckpt_dir, tag, config, tok_dir)
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Temp file, fsync, rename, fsync of the directory: after a crash ``path`` holds the old or the new text."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    _write_synced(tmp, text)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def write_run_metadata(run_dir: str | Path, recipe, model_config, tokenizer_dir: str | Path | None) -> None:
+    """Rank 0: recipe.json in the run dir; model_config.json and the tokenizer beside the checkpoint tags.
+
+    The copied tokenizer always gets a ``tokenizer_meta.json`` holding the casing training resolved
+    (:func:`bert_ds.data.tokenizer.load_tokenizer`: the meta file, else a Hugging Face ``tokenizer_config.json``'s
+    ``do_lower_case``, else uncased), so the export carries that casing whatever the source directory held."""
+    run_dir = Path(run_dir)
+    ckpt = checkpoint_dir(run_dir)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    _atomic_write(run_dir / "recipe.json", json.dumps(recipe.to_dict(), indent=2) + "\n")
+    model_config.save(ckpt / MODEL_CONFIG_NAME)
+    if tokenizer_dir is not None:
+        lowercase = read_lowercase(tokenizer_dir)
+        out = ckpt / TOKENIZER_DIR_NAME
+        out.mkdir(exist_ok=True)
+        for name in _TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, out / name)
+        _atomic_write(out / META_NAME, json.dumps({"lowercase": lowercase}) + "\n")
+
+
+def rng_file(tag_dir: str | Path, rank: int) -> Path:
+    """Where ``rank`` keeps its random generators' state in a tag directory."""
+    return Path(tag_dir) / f"rng_rank{rank:05d}.pt"
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (an all-reduce, so also a barrier)."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=get_accelerator().current_device_name())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+_DEBRIS = re.compile(r"^(?:phase\d+-step\d+\.tmp|\.phase\d+-step\d+\.deleting|\.latest\.tmp)$")
+_REPLACED = re.compile(r"^\.(phase\d+-step\d+)\.old$")
+
+
+def remove_debris(ckpt_dir: str | Path) -> list[str]:
+    """Delete what killed saves and prunes left in ``ckpt_dir``: ``<tag>.tmp`` (unfinished save), ``.<tag>.deleting``
+    (unfinished prune), ``.latest.tmp``, ``.<tag>.old`` (a replaced tag). An ``.<tag>.old`` whose ``<tag>`` is missing
+    (killed between the two renames of a re-save) is renamed back instead: it is the only copy. Only the process
+    holding the run's lock may call this. Returns the names removed or restored."""
+    ckpt_dir = Path(ckpt_dir)
+    done = []
+    for path in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
+        replaced = _REPLACED.match(path.name)
+        if replaced and not (ckpt_dir / replaced.group(1)).exists():
+            os.replace(path, ckpt_dir / replaced.group(1))
+        elif replaced or _DEBRIS.match(path.name):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        else:
+            continue
+        done.append(path.name)
+    if done:
+        _fsync(ckpt_dir)
+        log.info("%s: removed the debris of interrupted saves/prunes: %s", ckpt_dir, done)
+    return done

@@ -1,0 +1,168 @@
+"""Saving a checkpoint: every rank writes, all agree, then ``latest`` moves; pruning of old tags.
+
+ZeRO 1/2 run with ``elastic_checkpoint`` so the optimizer partitions can be merged and re-cut when the number of ranks
+changes between save and resume (:mod:`bert_ds.checkpoint.restore`). Durability and failure:
+
+* A save that fails on any rank (disk full: ``OSError`` / torch's ``RuntimeError``) is agreed on by all ranks, its
+  ``<tag>.tmp`` removed, ``latest`` and the previous tags left as they were, and one :class:`CheckpointSaveError`
+  naming the directory and the space needed is raised (a ValueError: ``bert_ds.runtime.pretrain`` exits 2).
+* Files of a tag, then the tag directory, then ``latest`` (temp file, fsync, rename, fsync of the directory) reach the
+  disk in that order, so after a power loss ``latest`` never names data that was not written.
+* Pruning renames a tag to ``.<tag>.deleting`` before deleting it; phase-end checkpoints (``phase_done``) are never
+  pruned. :func:`bert_ds.checkpoint.layout.remove_debris` (start of every save, and when the run takes its lock)
+  deletes what killed saves and prunes left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bert_ds.checkpoint.layout import (
+    RUN_STATE_NAME,
+    CheckpointSaveError,
+    _any_rank,
+    _fsync,
+    _write_synced,
+    checkpoint_dir,
+    list_tags,
+    read_latest,
+    read_run_state,
+    remove_debris,
+    rng_file,
+)
+from bert_ds.checkpoint.lock import bytes_needed
+
+__all__ = ["prune_checkpoints", "save_checkpoint", "save_rng_state"]
+
+def save_rng_state(path: Path) -> None:
+    """This rank's Python, NumPy, torch CPU and (with CUDA) every CUDA device's generator state, in types
+    ``weights_only`` loading accepts (the CUDA states are uint8 tensors)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(state, path)
+
+
+_RANK_IN_NAME = re.compile(r"(?:pp_rank_|rng_rank)(\d+)")
+
+
+def _fsync_own_files(tag_dir: Path, rank: int) -> None:
+    """fsync the files this rank wrote (``zero_pp_rank_<r>_*``, ``rng_rank<r>``; rank 0 also the rest, e.g.
+    ``mp_rank_00_model_states.pt``): on a shared filesystem only the writer's fsync flushes its client cache."""
+    for f in tag_dir.iterdir():
+        m = _RANK_IN_NAME.search(f.name)
+        if f.is_file() and (int(m.group(1)) == rank if m else rank == 0):
+            _fsync(f)
+
+
+def _write_tag(engine, ckpt: Path, tmp_tag: str, tag: str, run_state: dict, rank: int) -> Exception | None:
+    """Everything that needs disk space, on this rank; returns the error instead of raising so all ranks can agree."""
+    import deepspeed.comm as dist
+
+    try:
+        engine.save_checkpoint(str(ckpt), tag=tmp_tag, client_state={"bert_ds": run_state}, save_latest=False)
+    except (OSError, RuntimeError) as exc:  # torch.save on a full disk: RuntimeError "basic_ios::clear" / "file write"
+        # DeepSpeed 0.19 (runtime/engine.py save_checkpoint) writes every file between its tag-validation all-reduce
+        # and one closing barrier, where the other ranks now wait: stand in for it before agreeing.
+        dist.barrier()
+        return exc
+    try:
+        save_rng_state(rng_file(ckpt / tmp_tag, rank))
+        _fsync_own_files(ckpt / tmp_tag, rank)
+        if rank == 0:
+            _write_synced(ckpt / tmp_tag / RUN_STATE_NAME, json.dumps(run_state, indent=1) + "\n")
+            _fsync(ckpt / tmp_tag)
+            _write_synced(ckpt / ".latest.tmp", tag)  # the pointer's bytes need space too: written before agreeing
+    except (OSError, RuntimeError) as exc:
+        return exc
+    return None
+
+
+def _publish(ckpt: Path, tmp_tag: str, tag: str) -> None:
+    """Rank 0, all files on disk: rename ``<tag>.tmp`` to ``tag`` (replacing an older one), then move ``latest``."""
+    old = ckpt / f".{tag}.old"
+    if (ckpt / tag).exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(ckpt / tag, old)
+    os.replace(ckpt / tmp_tag, ckpt / tag)
+    _fsync(ckpt)  # the tag's new name is durable before ``latest`` names it
+    os.replace(ckpt / ".latest.tmp", ckpt / "latest")
+    _fsync(ckpt)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_failure(ckpt: Path, tag: str, error: Exception | None, num_parameters: int) -> CheckpointSaveError:
+    needed, _ = bytes_needed(ckpt, num_parameters)
+    free = shutil.disk_usage(ckpt).free
+    cause = "the save failed on another rank"
+    if error is not None:
+        cause = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    kept = f"'latest' still names {read_latest(ckpt)}" if (ckpt / "latest").is_file() else "no earlier checkpoint"
+    return CheckpointSaveError(f"cannot save checkpoint {tag} in {ckpt} ({cause}): {free / 2**20:,.1f} MiB free there, "
+                               f"a checkpoint of this run needs about {needed / 2**20:,.1f} MiB; the partial "
+                               f"{tag}.tmp was removed and {kept}. Free space, then resume with --resume auto")
+
+
+def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep_last_k: int) -> Path:
+    """Save on every rank; ``latest`` moves to ``tag`` only after all ranks finished writing.
+
+    DeepSpeed writes its files into a fresh ``<tag>.tmp`` directory with ``save_latest=False`` (a tag directory left
+    by an earlier, possibly larger, run would otherwise keep its extra ``zero_pp_rank_*`` files and break
+    consolidation); each rank adds its RNG state and fsyncs its files; rank 0 adds ``run_state.json``. All ranks then
+    agree whether every write succeeded: if not, the partial ``<tag>.tmp`` is removed and every rank raises
+    :class:`CheckpointSaveError` (``latest`` and the older tags untouched). Otherwise rank 0 renames the directory to
+    ``tag`` (replacing an older one) and then moves ``latest``, so a crash at any point leaves ``latest`` naming a
+    complete checkpoint. Older tags beyond ``keep_last_k`` (phase ends excepted) are pruned afterwards.
+    """
+    import deepspeed.comm as dist
+
+    ckpt = checkpoint_dir(run_dir)
+    rank = dist.get_rank()
+    tmp_tag = f"{tag}.tmp"  # parse_tag ignores it, so a half-written one is never listed or resumed
+    if rank == 0:
+        remove_debris(ckpt)
+    dist.barrier()
+    error = _write_tag(engine, ckpt, tmp_tag, tag, run_state, rank)
+    if _any_rank(error is not None):
+        if rank == 0:
+            shutil.rmtree(ckpt / tmp_tag, ignore_errors=True)
+            (ckpt / ".latest.tmp").unlink(missing_ok=True)
+        dist.barrier()
+        raise _save_failure(ckpt, tag, error, sum(p.numel() for p in engine.module.parameters()))
+    if rank == 0:
+        _publish(ckpt, tmp_tag, tag)
+        prune_checkpoints(ckpt, keep_last_k)
+    dist.barrier()
+    return ckpt / tag
+
+
+def _phase_done(ckpt_dir: Path, tag: str) -> bool:
+    try:
+        return bool(read_run_state(ckpt_dir, tag).get("phase_done", False))
+    except (OSError, ValueError):
+        return False
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last_k: int) -> list[str]:
+    """Delete all but the newest ``keep_last_k`` tags; never the one ``latest`` names, never a phase's final
+    checkpoint (``phase_done``: the hand-off point and the export a user wants from that phase). A tag is renamed to
+    ``.<tag>.deleting`` before it is deleted, so a kill mid-way leaves debris :func:`remove_debris` recognises, not a
+    half-deleted tag. Returns the deleted tags."""
+    ckpt_dir = Path(ckpt_dir)
+    tags = list_tags(ckpt_dir)
+    latest = read_latest(ckpt_dir)
+    keep = set(tags[-max(keep_last_k, 1):]) | {latest} | {t for t in tags if _phase_done(ckpt_dir, t)}
+    deleted = [t for t in tags if t not in keep]
+    for tag in deleted:
+        doomed = ckpt_dir / f".{tag}.deleting"
+        os.replace(ckpt_dir / tag, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return deleted
