@@ -3,7 +3,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from bert_ds.data.loader import build_eval_loader
 from bert_ds.data.tokenizer import read_vocab, vocab_sha256
 from bert_ds.evaluate import evaluate
 from bert_ds.model import IGNORE_INDEX, BertForPreTraining, PretrainingOutput
-from tests.helpers import HANG_GUARD_S
+from tests.helpers import HANG_GUARD_S, free_port
 from tests.helpers.ds_checkpoint import TAG, stage_checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,12 +115,6 @@ def test_train_mode_restored_after_an_error_and_empty_loader_refused():
         evaluate(model, [])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
@@ -134,7 +127,7 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_return_the_global_metrics(tmp_path):
-    mp.spawn(_two_rank_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         _assert_metrics(json.loads((tmp_path / f"rank{rank}.json").read_text()), FULL)
 

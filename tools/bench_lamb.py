@@ -192,11 +192,9 @@ RANK_ENV = "BERT_DS_BENCH_LAMB_RANK"
 
 
 def overhead(preset: str, steps: int, world_size: int) -> None:
-    import socket
+    from bert_ds.runtime.distributed import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),

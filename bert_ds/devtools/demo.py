@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -230,19 +229,15 @@ def demo_recipe(quick: bool, path: Path = DEMO_RECIPE) -> dict:
     return recipe
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_command(recipe: Path, data: list[Path], eval_data: list[Path], tokenizer: Path, run: Path,
                    extra: tuple[str, ...] = ()) -> list[str]:
+    from bert_ds.runtime.distributed import free_port
+
     launcher = Path(sys.executable).parent / "deepspeed"
     if not launcher.is_file():
         raise DemoError(f"{launcher}: the deepspeed launcher is not installed in this environment (run `make venv`)")
     evaluation = ["--eval-data", *map(str, eval_data)] if eval_data else []
-    return [str(launcher), "--num_gpus", str(TRAIN_RANKS), "--master_port", str(_free_port()),
+    return [str(launcher), "--num_gpus", str(TRAIN_RANKS), "--master_port", str(free_port()),
             str(REPO / "bert_ds" / "runtime" / "pretrain.py"), "--recipe", str(recipe), "--data", *map(str, data),
             "--tokenizer", str(tokenizer), *evaluation, "--output", str(run), *extra]
 

@@ -7,14 +7,11 @@ Launch paths (README "Launching"): the ``deepspeed`` launcher (sets RANK/WORLD_S
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
-import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -22,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["EXTENSION_LOCK_STALE_S", "check_master_addr", "extension_build_locks", "init_distributed", "launch_path",
-           "prebuild_extensions", "release_shm_buffers", "seed_everything", "sigchld_deferred",
+__all__ = ["EXTENSION_LOCK_STALE_S", "check_master_addr", "extension_build_locks", "free_port", "init_distributed",
+           "launch_path", "prebuild_extensions", "release_shm_buffers", "seed_everything",
            "use_node_local_caches", "wait_for_extension_builds"]
 
 log = logging.getLogger(__name__)
@@ -143,11 +140,16 @@ def _env_from_mpirun() -> int:
     return int(os.environ.get("MASTER_PORT", "29500"))
 
 
-def _env_single_process() -> None:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a process group's MASTER_PORT on this machine (the kernel picks
+    it; another process may take it before the group binds it, which the caller's retry or failure then shows)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        return s.getsockname()[1]
+
+
+def _env_single_process() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
 def use_node_local_caches(env: MutableMapping[str, str]) -> dict[str, str]:
@@ -208,22 +210,6 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port,
                                **timeout)
     return dist.get_rank(), dist.get_world_size()
-
-
-@contextlib.contextmanager
-def sigchld_deferred():
-    """Hold SIGCHLD (main thread only) for the block: a loader worker that dies meanwhile (torch's DataLoader raises
-    from its SIGCHLD handler; bert_ds.data.loader turns that into LoaderWorkerError naming the shard) is reported
-    right after the block, which completes, e.g. a step's evaluation and checkpoint, instead of aborting it half-way.
-    Loaders used inside the block still notice a dead worker of their own by polling (torch checks on a timeout)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def release_shm_buffers() -> list[Path]:

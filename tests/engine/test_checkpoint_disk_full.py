@@ -5,18 +5,16 @@ rank of two (EFBIG, both ranks must agree), and a full tmpfs (ENOSPC) where the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bert_ds import checkpoint as ckpt
-from tests.helpers import HANG_GUARD_S
-from tests.helpers.runs import REPO, VENV_BIN, run_pretrain
+from tests.helpers import HANG_GUARD_S, child_env
+from tests.helpers.ranks import REPO, rank_command, run_ranks
+from tests.helpers.runs import run_pretrain
 
 _LIMITED_RANK = """\
 import os, resource, runpy, signal, sys
@@ -32,17 +30,6 @@ def _recipe(path: Path) -> Path:
     recipe = json.loads((REPO / "ds_configs" / "tiny_cpu.json").read_text())  # shipped, dropout on, ZeRO 2
     path.write_text(json.dumps(recipe))
     return path
-
-
-def _two_ranks(script: Path, args: list[str]) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus 2 SCRIPT ARGS`` on CPU ranks (``run_pretrain`` always launches
-    bert_ds/runtime/pretrain.py)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(script), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
 
 
 def _assert_failed_cleanly(proc: subprocess.CompletedProcess, run: Path, lines_expected: int) -> None:
@@ -65,7 +52,7 @@ def test_one_rank_cannot_write_its_partition(tmp_path, synthetic_data):
     run_pretrain([*args, "--max-steps", "1"], nprocs=2)
     script = tmp_path / "limited_rank.py"
     script.write_text(_LIMITED_RANK)
-    proc = _two_ranks(script, [*args, "--resume", "auto", "--max-steps", "2"])
+    proc = run_ranks(rank_command(2, [*args, "--resume", "auto", "--max-steps", "2"], script=script))
     _assert_failed_cleanly(proc, run, lines_expected=2)  # each rank says it; rank 1 names the failed write
     causes = sorted(ln.split(" (", 1)[1].split(")")[0][:12] for ln in proc.stderr.splitlines()
                     if "cannot save checkpoint" in ln)
@@ -86,10 +73,10 @@ def small_tmpfs(tmp_path):
 def _resume_filling_the_disk(args: list[str], mnt: Path, leave_bytes: int) -> subprocess.CompletedProcess:
     """Resume to step 2; once pre-flight has passed (the "resumed" log line), fill the filesystem up to
     ``leave_bytes`` so that the step-2 save runs out of space mid-write (ENOSPC), as when another job fills it."""
-    cmd = [sys.executable, "-m", "bert_ds.runtime.pretrain", *args, "--resume", "auto", "--max-steps", "2",
-           "--tokenizer", str(Path(args[args.index("--data") + 1]).parent / "tokenizer")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = rank_command(1, [*args, "--resume", "auto", "--max-steps", "2",
+                           "--tokenizer", str(Path(args[args.index("--data") + 1]).parent / "tokenizer")])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     stderr = []
     for line in proc.stderr:
         stderr.append(line)

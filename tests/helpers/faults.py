@@ -24,13 +24,12 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers import HANG_GUARD_S, child_env, free_port
+from tests.helpers import HANG_GUARD_S, child_env
+from tests.helpers.ranks import REPO
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
 TINY_CPU = REPO / "ds_configs" / "tiny_cpu.json"
 REPORT_ENV = "BERT_DS_FAULT_REPORT"
-ERROR_LINE = r"^(bert_ds\.pretrain: error: |error: |bert-ds-[a-z-]+: error: |verification failed: )"
+ERROR_LINE = r"^(bert_ds\.runtime\.pretrain: error: |error: |bert-ds-[a-z-]+: error: |verification failed: )"
 """How the first line of a refusal starts, for every CLI the table runs (``tools/verify_shards.py`` excepted: its
 lines start with the shard set, see the cases)."""
 ORPHAN_GRACE_S = 15.0
@@ -60,15 +59,6 @@ def fault_recipe(path: Path, **changes) -> Path:
         node[leaf] = value
     path.write_text(json.dumps(recipe, indent=1))
     return path
-
-
-def pretrain_cmd(args: list[str], nprocs: int) -> list[str]:
-    """``deepspeed --num_gpus N bert_ds/runtime/pretrain.py ARGS`` (N real CPU ranks), or ``python -m
-    bert_ds.runtime.pretrain`` for one rank without the launcher."""
-    if nprocs == 1:
-        return [sys.executable, "-m", "bert_ds.runtime.pretrain", *args]
-    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-            str(REPO / "bert_ds" / "runtime" / "pretrain.py"), *args]
 
 
 def tool_cmd(script: str, args: list[str]) -> list[str]:

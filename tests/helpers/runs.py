@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from tests.helpers import HANG_GUARD_S, child_env, free_port
+from tests.helpers import HANG_GUARD_S, child_env
+from tests.helpers.ranks import REPO, VENV_BIN, rank_command, run_ranks
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
+__all__ = ["REPO", "SMALL_RECIPE", "VENV_BIN", "assert_close_params", "param_diffs", "run_pretrain",
+           "run_until_signalled", "tensorboard_scalars", "weights", "write_recipe"]
 
 # The smallest recipe that still has two phases, accumulation (micro 1 of global 4) and a boundary; dropout off so
 # runs on different numbers of ranks are comparable.
@@ -55,28 +55,17 @@ def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S
         synthetic_tokenizer = Path(args[args.index("--data") + 1]).parent / "tokenizer"
         if synthetic_tokenizer.is_dir():
             args = [*args, "--tokenizer", str(synthetic_tokenizer)]
-    env = child_env()
-    if nprocs == 1:
-        cmd = [sys.executable, "-m", "bert_ds.runtime.pretrain", *args]
-    else:
-        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-               str(REPO / "bert_ds" / "runtime" / "pretrain.py"), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
-                             f"--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+    return run_ranks(rank_command(nprocs, args), timeout=timeout, check=check)
 
 
 def run_until_signalled(recipe: Path, data: tuple[Path, Path], run: Path, sig: int = signal.SIGUSR1,
                         ) -> tuple[int, list[str]]:
     """Start ``python -m bert_ds.runtime.pretrain`` on ``data``, send ``sig`` once it logs step 1, and return its exit
     code and console lines."""
-    env = child_env()
-    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.runtime.pretrain", "--recipe", str(recipe), "--data",
-                             *map(str, data), "--tokenizer", str(data[0].parent / "tokenizer"),
-                             "--output", str(run)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = ["--recipe", str(recipe), "--data", *map(str, data), "--tokenizer", str(data[0].parent / "tokenizer"),
+            "--output", str(run)]
+    proc = subprocess.Popen(rank_command(1, args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)

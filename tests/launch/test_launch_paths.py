@@ -25,7 +25,8 @@ import torch
 
 from bert_ds.runtime.launch import hosts_from_list, write_hostfile
 from tests.helpers import HANG_GUARD_S, child_env, free_port
-from tests.helpers.runs import REPO, SMALL_RECIPE, VENV_BIN, run_pretrain, weights, write_recipe
+from tests.helpers.ranks import DEEPSPEED, PRETRAIN_SCRIPT, REPO
+from tests.helpers.runs import SMALL_RECIPE, run_pretrain, weights, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -141,9 +142,9 @@ def test_two_launchers_with_no_ssh_match_one_node(case, baseline, tmp_path):
     # With --no_ssh the hostfile only counts ranks (host names are labels, never resolved): node_rank picks the line.
     hostfile = write_hostfile(tmp_path / "hostfile", hosts_from_list("node0:1,node1:1"))
     port, run = free_port(), tmp_path / "run"
-    cmds = [[str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+    cmds = [[str(DEEPSPEED), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
              "--master_addr", "127.0.0.1", "--master_port", str(port),
-             str(REPO / "bert_ds" / "runtime" / "pretrain.py"), *case.args(run)] for node in (0, 1)]
+             str(PRETRAIN_SCRIPT), *case.args(run)] for node in (0, 1)]
     _run_together(cmds, _env(), [tmp_path / "node0.log", tmp_path / "node1.log"])
     assert "nnodes=2, num_local_procs=1, node_rank=1" in (tmp_path / "node1.log").read_text()
     _assert_bit_identical(_final_weights(run), baseline, "two deepspeed --no_ssh launchers")
@@ -176,8 +177,8 @@ def test_deepspeed_launcher_from_a_slurm_hostfile_matches_one_node(case, baselin
     node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True,
                           check=True).stdout.split()[0]
     hostfile, run = tmp_path / "hostfile", tmp_path / "run"
-    deepspeed_flags = shlex.join([str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"])
-    script_args = shlex.join(["--master_port", str(free_port()), str(REPO / "bert_ds" / "runtime" / "pretrain.py"),
+    deepspeed_flags = shlex.join([str(DEEPSPEED), "--hostfile", str(hostfile), "--no_ssh"])
+    script_args = shlex.join(["--master_port", str(free_port()), str(PRETRAIN_SCRIPT),
                               *case.args(run)])
     (tmp_path / "node.sh").write_text(f'exec {deepspeed_flags} --node_rank "$SLURM_NODEID" --master_addr "$master" '
                                       f"{script_args}\n")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,14 +63,10 @@ def _rank_main(preset: str, stage: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(preset: str, stage: int, world_size: int, timeout_s: float) -> list[dict]:
-    port = _free_port()
+    from bert_ds.runtime.distributed import free_port
+
+    port = free_port()
     procs = []
     with tempfile.TemporaryDirectory(prefix="bert_ds_zero_state_") as tmp:
         for rank in range(world_size):

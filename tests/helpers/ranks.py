@@ -1,0 +1,43 @@
+"""Starting real DeepSpeed CPU ranks from a test: the one way tests build and run a rank command.
+
+N ranks run under the ``deepspeed`` launcher on a free port (it starts one process per "GPU", on CPU ranks with gloo,
+and ends every rank when one fails); one rank runs without a launcher (``bert_ds.runtime.pretrain`` then sets up a
+one-rank group itself). Every process gets :func:`tests.helpers.child_env`. Tests of the launch paths themselves
+(hostfile, mpirun, srun) build those launchers' command lines around :data:`DEEPSPEED`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.helpers import HANG_GUARD_S, child_env, free_port
+
+__all__ = ["DEEPSPEED", "PRETRAIN_SCRIPT", "REPO", "VENV_BIN", "rank_command", "run_ranks"]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+DEEPSPEED = VENV_BIN / "deepspeed"
+PRETRAIN_SCRIPT = REPO / "bert_ds" / "runtime" / "pretrain.py"
+
+
+def rank_command(nprocs: int, args: Sequence[str] = (), script: str | Path | None = None) -> list[str]:
+    """``deepspeed --num_gpus N --master_port P SCRIPT ARGS`` for N > 1 CPU ranks, ``python SCRIPT ARGS`` for one;
+    ``script`` defaults to ``bert_ds.runtime.pretrain`` (run as ``python -m`` on one rank)."""
+    if nprocs == 1:
+        return [sys.executable, *([str(script)] if script else ["-m", "bert_ds.runtime.pretrain"]), *args]
+    return [str(DEEPSPEED), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
+            str(script or PRETRAIN_SCRIPT), *args]
+
+
+def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = False,
+              **env: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the checkout to its end with :func:`~tests.helpers.child_env` (plus ``env``), capturing
+    stdout and stderr; with ``check``, an exit code other than 0 fails the test showing both."""
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+                             f"--- stderr\n{proc.stderr[-6000:]}")
+    return proc
