@@ -84,7 +84,8 @@ def zero_layout(zero_optimizer) -> ZeroLayout:
 
     DeepSpeed's partition map (tensor offsets in each flat group, this rank's slice of it) is read by
     :func:`bert_ds.runtime.deepspeed_internals.zero_partition_map`; this turns it into contiguous runs of the flat
-    partition: tensor segments, and padding between or after them.
+    partition: tensor segments, and padding between or after them. The map describes the plain layout only:
+    :meth:`ZeroAwareLamb.bind_zero` refuses the setups it does not fit (offload, autocast, ZenFlow, MoE) first.
     """
     from bert_ds.runtime.deepspeed_internals import zero_partition_map
 
