@@ -2,6 +2,16 @@
 # the allocation has one task per rank, starts the ranks with srun, passes the pre-emption signal on and requeues.
 # The caller sets RECIPE and RUN_DIR; every size comes from the allocation (sbatch --nodes, --ntasks-per-node,
 # --gpus-per-node), never from this file.
+#
+# Pre-emption: USR1 (`--signal=B:USR1@300`, to this shell) or TERM (what Slurm sends at the time limit or on
+# pre-emption where no --signal is set, and what submitit-style clusters send alone) reaches every rank; the ranks
+# checkpoint at the next step boundary and exit 75. On 75 the job requeues itself with `scontrol requeue`. Where
+# scontrol does not exist (inside pyxis/enroot containers, pyxis#129) or the requeue fails, submit the job with
+# slurm/submit_chain.sh instead: it queues follow-up jobs that start only when the previous one did not end well
+# (`--dependency=afternotok`) and resume from the newest checkpoint. More settings (defaults in brackets):
+# SCONTROL [scontrol] (the requeue command; a missing one is detected), REQUEUE [scontrol] (`none`: exit 75 and
+# leave the restart to follow-up jobs; slurm/submit_chain.sh sets it), TRITON_CACHE_DIR and TORCH_EXTENSIONS_DIR
+# [${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/{triton,torch_extensions}: node-local, per job].
 set -uo pipefail
 
 DATA128=${DATA128:-data/shards128}
@@ -10,6 +20,9 @@ TOKENIZER=${TOKENIZER:-data/tokenizer}
 PYTHON=${PYTHON:-python}
 PHASE=${PHASE:-all}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+SCONTROL=${SCONTROL:-scontrol}
+REQUEUE=${REQUEUE:-scontrol}
+EXIT_PREEMPTED=75  # bert_ds.runtime.pretrain's exit code after a pre-emption checkpoint
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
   echo "bert_ds: submit this with sbatch (it reads its sizes from the Slurm allocation)" >&2
@@ -24,22 +37,55 @@ if [ "$gpus_per_node" -gt 0 ] && [ "$tasks_per_node" -ne "$gpus_per_node" ]; the
   exit 2
 fi
 echo "bert_ds: $SLURM_JOB_NUM_NODES node(s) x $tasks_per_node task(s) = $SLURM_NTASKS rank(s)," \
-     "$gpus_per_node GPU(s) per node; recipe $RECIPE -> $RUN_DIR"
+     "$gpus_per_node GPU(s) per node; recipe $RECIPE -> $RUN_DIR (job $SLURM_JOB_ID," \
+     "restart ${SLURM_RESTART_COUNT:-0})"
 
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# A follow-up job of slurm/submit_chain.sh resumes after a pre-emption (75), a killed job (137, 143: e.g. Slurm's
+# time limit without --signal) or a job that could not write its exit code, never after a failure that would only
+# repeat: bad input (2) or non-finite loss (3) stop the chain with the same code.
+if [ -n "${BERT_DS_AFTER_JOB:-}" ]; then
+  prev_rc=$(cat "$RUN_DIR/slurm/exit-$BERT_DS_AFTER_JOB" 2>/dev/null || echo none)
+  if [ "$prev_rc" = 2 ] || [ "$prev_rc" = 3 ]; then
+    echo "bert_ds: job $BERT_DS_AFTER_JOB ended with exit $prev_rc, which a restart would repeat; follow-up job" \
+         "$SLURM_JOB_ID does not resume" >&2
+    mkdir -p "$RUN_DIR/slurm" && echo "$prev_rc" > "$RUN_DIR/slurm/exit-$SLURM_JOB_ID"
+    exit "$prev_rc"
+  fi
+  echo "bert_ds: follow-up of job $BERT_DS_AFTER_JOB (exit $prev_rc): resuming from the newest checkpoint"
+fi
+
+# Compiler caches on node-local storage, per job: the defaults sit in the home directory, on a cluster usually NFS
+# or Lustre, where ranks of several nodes compiling the same Triton kernel race (triton#2688, #11512; PR#11319).
+# bert_ds.runtime.launch.node_local_caches applies the same rule to ranks started without this script.
+job_tmp=${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$job_tmp/triton}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$job_tmp/torch_extensions}
+echo "bert_ds: TRITON_CACHE_DIR=$TRITON_CACHE_DIR TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR"
+
+# The batch script runs on the allocation's first node: without scontrol (containers) that node is this host.
+if command -v "$SCONTROL" >/dev/null 2>&1; then
+  MASTER_ADDR=${MASTER_ADDR:-$("$SCONTROL" show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+else
+  MASTER_ADDR=${MASTER_ADDR:-$(hostname)}
+fi
 export MASTER_ADDR
 # The same rule as bert_ds.runtime.launch.slurm_master_port: every task of the job agrees on it without talking.
 export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
-# `--signal=B:USR1@300` delivers USR1 to this batch shell 5 minutes before the time limit: pass it on to the
-# ranks, which checkpoint at the next step boundary and exit with 75.
+# USR1 or TERM to this shell: pass USR1 on to srun, which signals every rank; a rank treats USR1 and TERM alike.
+# (When Slurm itself sends TERM it also reaches the ranks directly; a second signal changes nothing.)
 srun_pid=
 forward() { [ -n "$srun_pid" ] && kill -USR1 "$srun_pid" 2>/dev/null; }
-trap forward USR1 TERM
+trap 'echo "bert_ds: USR1 received: asking the ranks to checkpoint" >&2; forward' USR1
+trap 'echo "bert_ds: TERM received: asking the ranks to checkpoint" >&2; forward' TERM
 
+# Not --kill-on-bad-exit: a pre-empted rank exits 75, a "bad" exit to srun, which would then TERM the ranks still
+# finishing their own exit (rank 0 closes the logs last) and turn the job's 75 into 143. --wait=60 instead: once the
+# first rank has ended, the others get 60 s to end too (a pre-emption or a finished run: seconds), then srun ends
+# them, so a crashed rank does not leave the rest waiting in a collective for the process-group timeout.
 # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
-srun --kill-on-bad-exit=1 "$PYTHON" -m bert_ds.runtime.pretrain --recipe "$RECIPE" --data "$DATA128" "$DATA512" \
+srun --kill-on-bad-exit=0 --wait=60 "$PYTHON" -m bert_ds.runtime.pretrain --recipe "$RECIPE" --data "$DATA128" "$DATA512" \
     --tokenizer "$TOKENIZER" --output "$RUN_DIR" --phase "$PHASE" --resume auto $EXTRA_ARGS &
 srun_pid=$!
 # `wait` returns early when a trapped signal arrives; wait again until srun itself has finished.
@@ -47,8 +93,16 @@ while true; do
   wait "$srun_pid"; rc=$?
   kill -0 "$srun_pid" 2>/dev/null || break
 done
-if [ "$rc" -eq 75 ]; then
-  echo "pre-empted: checkpoint written; requeueing job $SLURM_JOB_ID" >&2
-  scontrol requeue "$SLURM_JOB_ID"
+mkdir -p "$RUN_DIR/slurm" && echo "$rc" > "$RUN_DIR/slurm/exit-$SLURM_JOB_ID"
+if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
+  if [ "$REQUEUE" = scontrol ] && command -v "$SCONTROL" >/dev/null 2>&1 \
+      && "$SCONTROL" requeue "$SLURM_JOB_ID"; then
+    echo "pre-empted: checkpoint written; job $SLURM_JOB_ID requeued" >&2
+  elif [ "$REQUEUE" = scontrol ]; then
+    echo "pre-empted: checkpoint written; requeue with '$SCONTROL' impossible here (missing or refused): a follow-up" \
+         "job of slurm/submit_chain.sh resumes the run, or resubmit with --resume auto yourself" >&2
+  else
+    echo "pre-empted: checkpoint written; exit $rc for a follow-up job (REQUEUE=$REQUEUE)" >&2
+  fi
 fi
 exit "$rc"

@@ -1,0 +1,211 @@
+"""Pre-emption under a real (one-node) Slurm, end to end: signal -> checkpoint -> exit 75 -> restart -> exact resume.
+
+Two ways a cluster ends a job early and two ways the job comes back, each ending in weights bit-identical to one
+uninterrupted 2-rank run of the same recipe (dropout on, so the random streams must resume too):
+
+- USR1 to the batch shell (``--signal=B:USR1@300``), and the job requeues itself with ``scontrol requeue``;
+- TERM alone to every process of the job (what Slurm sends at the time limit without ``--signal``, and all that some
+  clusters send), inside a "container" without ``scontrol`` (pyxis#129): ``slurm/submit_chain.sh`` queued follow-up
+  jobs (``--dependency=afternotok``), the first resumes, the one left is removed by Slurm.
+
+CI starts the cluster with ``.ci/start_slurm.sh``; elsewhere these tests are skipped unless a Slurm controller answers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import HANG_GUARD_S, child_env
+from tests.helpers.runs import REPO, SMALL_RECIPE, run_pretrain, weights, write_recipe
+
+pytestmark = pytest.mark.slow
+
+PHASE1_STEPS = 40
+FINAL_TAG = "phase2-step000002"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED"}
+
+
+def _slurm_up() -> bool:
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return False
+    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    return proc.returncode == 0 and "idle" in proc.stdout
+
+
+needs_slurm = pytest.mark.skipif(not _slurm_up(), reason="no Slurm controller answers (CI starts one with "
+                                                         ".ci/start_slurm.sh)")
+
+
+@pytest.fixture(scope="module")
+def job_inputs(shards_128, shards_512, tokenizer_dir, tmp_path_factory):
+    """A recipe long enough in phase 1 for a signal to land mid-phase (dropout on), and its uninterrupted weights."""
+    recipe = {key: value for key, value in SMALL_RECIPE.items() if key != "model_overrides"}  # dropout 0.1
+    recipe["phases"] = [{**recipe["phases"][0], "steps": PHASE1_STEPS}, recipe["phases"][1]]
+    root = tmp_path_factory.mktemp("slurm_preemption")
+    path = write_recipe(root / "recipe.json", recipe)
+    run = root / "baseline"
+    run_pretrain(["--recipe", str(path), "--data", str(shards_128), str(shards_512), "--tokenizer", str(tokenizer_dir),
+                  "--output", str(run)], nprocs=2)
+    assert (run / "checkpoints" / "latest").read_text() == FINAL_TAG
+    return path, (shards_128, shards_512), tokenizer_dir, weights(run, FINAL_TAG)
+
+
+def _job_env(job_inputs, run: Path, **extra: str) -> dict[str, str]:
+    recipe, (data128, data512), tokenizer, _ = job_inputs
+    from bert_ds.runtime.distributed import _extensions_root
+
+    # TORCH_EXTENSIONS_DIR chosen by the "user" (the machine's build, made once); the Triton cache takes the scripts'
+    # node-local default.
+    return child_env(RECIPE=str(recipe), DATA128=str(data128), DATA512=str(data512), TOKENIZER=str(tokenizer),
+                     RUN_DIR=str(run), PYTHON=sys.executable, TORCH_EXTENSIONS_DIR=str(_extensions_root()), **extra)
+
+
+def _sbatch_args(log_pattern: Path) -> list[str]:
+    return ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=20", f"--output={log_pattern}",
+            f"--chdir={REPO}", str(REPO / "slurm" / "pretrain_base.sh")]
+
+
+def _job_info(job: str) -> dict[str, str]:
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", proc.stdout)) if proc.returncode == 0 else {}
+
+
+def _wait_for(predicate, what: str, timeout: float = HANG_GUARD_S, poll: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _wait_for_step(log: Path, job: str) -> None:
+    """Until the job has logged a training step (so the ranks run and have installed their signal handlers)."""
+    def stepped():
+        if _job_info(job).get("JobState") in TERMINAL:
+            raise AssertionError(f"job {job} ended before its first step:\n{_read(log)[-4000:]}")
+        return re.search(r"^step 1 \|", _read(log), re.M)
+    _wait_for(stepped, f"job {job} to log step 1")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _wait_until_ended(job: str) -> dict[str, str]:
+    """Until Slurm reports the job in a terminal state (a requeued job passes through PENDING and RUNNING again)."""
+    return _wait_for(lambda: (info := _job_info(job)) and info.get("JobState") in TERMINAL and info,
+                     f"job {job} to end")
+
+
+def _assert_bit_identical(run: Path, want: dict[str, torch.Tensor], what: str) -> None:
+    assert (run / "checkpoints" / "latest").read_text() == FINAL_TAG
+    got = weights(run, FINAL_TAG)
+    differ = [name for name in want if not torch.equal(got[name], want[name])]
+    assert got.keys() == want.keys() and not differ, f"{what}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+def _preempted_at(out: str) -> int:
+    match = re.search(r"pre-empted: checkpointed at phase 1 step (\d+); exit 75", out)
+    assert match, out[-6000:]
+    step = int(match.group(1))
+    assert 1 <= step < PHASE1_STEPS, f"the signal should land inside phase 1, landed at step {step}"
+    return step
+
+
+@needs_slurm
+def test_usr1_checkpoints_exits_75_requeues_and_resumes_exactly(job_inputs, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    proc = subprocess.run(["sbatch", "--parsable", *_sbatch_args(log)], env=_job_env(job_inputs, run),
+                          capture_output=True, text=True, timeout=120, check=True)
+    job = proc.stdout.strip().split(";")[0]
+    try:
+        _wait_for_step(log, job)
+        # What `--signal=B:USR1@300` does 5 minutes before the time limit: USR1 to the batch shell only.
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=60)
+        info = _wait_until_ended(job)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=60)
+    out = _read(log)
+    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, out[-6000:])
+    assert "bert_ds: USR1 received: asking the ranks to checkpoint" in out
+    step = _preempted_at(out)
+    assert f"pre-empted: checkpoint written; job {job} requeued" in out
+    assert f"(job {job}, restart 1)" in out
+    assert f"resumed phase1-step{step:06d}: phase 1 step {step}" in out
+    assert f"TRITON_CACHE_DIR=/tmp/bert_ds-{job}/triton" in out or f"/bert_ds-{job}/triton" in out
+    assert (run / "slurm" / f"exit-{job}").read_text().strip() == "0"
+    _assert_bit_identical(run, job_inputs[3], "USR1 -> exit 75 -> scontrol requeue -> resume")
+
+
+# Known gap (reported; in the loader/trainer owners' files): Slurm's TERM reaches every process of the step, the ranks'
+# DataLoader worker processes too, which die of it (default action), so the rank stops with a LoaderWorkerError (exit 1)
+# instead of checkpointing and exiting 75. Workers that ignore TERM and USR1 (worker_init_fn) would let the rank handle
+# it. Strict: the mark must go once the workers survive.
+WORKERS_DIE_OF_TERM = pytest.mark.xfail(strict=True, reason="DataLoader workers die of the step's SIGTERM (exit 1, "
+                                                            "no pre-emption checkpoint)")
+
+
+@needs_slurm
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=WORKERS_DIE_OF_TERM)])
+def test_term_only_without_scontrol_follow_up_job_resumes_exactly(job_inputs, tmp_path, workers):
+    run = tmp_path / "run"
+    # A "container" without scontrol: the script neither requeues nor expands the node list with it.
+    env = _job_env(job_inputs, run, SCONTROL=str(tmp_path / "no-scontrol-here"), FOLLOWUPS="2",
+                   EXTRA_ARGS=f"--num-workers {workers}")
+    proc = subprocess.run([str(REPO / "slurm" / "submit_chain.sh"), *_sbatch_args(tmp_path / "job-%j.out")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, follow_up, spare = proc.stdout.split()
+    logs = {job: tmp_path / f"job-{job}.out" for job in (first, follow_up, spare)}
+    try:
+        _wait_for_step(logs[first], first)
+        # What Slurm's time limit does without --signal (and all some clusters send): TERM to the ranks of every step
+        # and to the batch shell. (Not `scancel --full`, which also signals srun: srun answers TERM by killing its
+        # tasks at once, which the time limit, seen on this cluster, does not do: the ranks had time to exit 75.)
+        subprocess.run(["scancel", "--signal=TERM", first], check=True, timeout=60)
+        subprocess.run(["scancel", "--signal=TERM", "--batch", first], check=True, timeout=60)
+        infos = {job: _wait_until_ended(job) for job in (first, follow_up, spare)}
+    finally:
+        subprocess.run(["scancel", first, follow_up, spare], capture_output=True, timeout=60)
+    out_first, out_follow = _read(logs[first]), _read(logs[follow_up])
+    assert infos[first]["JobState"] == "FAILED" and infos[first]["ExitCode"] == "75:0", (infos, out_first[-6000:])
+    assert "bert_ds: TERM received: asking the ranks to checkpoint" in out_first
+    step = _preempted_at(out_first)
+    assert "pre-empted: checkpoint written; exit 75 for a follow-up job (REQUEUE=none)" in out_first
+    assert infos[follow_up]["JobState"] == "COMPLETED", (infos, out_follow[-6000:])
+    assert f"follow-up of job {first} (exit 75): resuming from the newest checkpoint" in out_follow
+    assert f"resumed phase1-step{step:06d}: phase 1 step {step}" in out_follow
+    # The spare follow-up can never start once the run succeeded; Slurm removes it (--kill-on-invalid-dep=yes).
+    assert infos[spare]["JobState"] == "CANCELLED" and not logs[spare].exists(), infos[spare]
+    assert [(run / "slurm" / f"exit-{j}").read_text().strip() for j in (first, follow_up)] == ["75", "0"]
+    _assert_bit_identical(run, job_inputs[3], "TERM -> exit 75 -> follow-up job -> resume")
+
+
+@pytest.mark.parametrize("code", ["2", "3"])
+def test_follow_up_job_does_not_resume_after_a_failure_that_would_repeat(tmp_path, code):
+    """A follow-up whose predecessor failed on bad input (exit 2) or a non-finite loss (3) stops at once with the same
+    code, before srun, so a chain of follow-ups does not repeat the failure."""
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "exit-41").write_text(f"{code}\n")
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2",
+           "SLURM_TASKS_PER_NODE": "2", "RUN_DIR": str(run), "BERT_DS_AFTER_JOB": "41",
+           "SCONTROL": str(tmp_path / "absent")}
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "pretrain_base.sh")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == int(code), proc.stderr
+    expected = f"job 41 ended with exit {code}, which a restart would repeat; follow-up job 42 does not resume"
+    assert expected in proc.stderr
+    assert (run / "slurm" / "exit-42").read_text().strip() == code
