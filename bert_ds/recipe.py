@@ -166,7 +166,8 @@ class DeepSpeedSection:
     process_group_timeout_s: float | None = None
     """Seconds a collective may wait for a rank before the process group fails (NCCL's watchdog then ends the job).
     ``None``: DeepSpeed's default (10 minutes, or ``$DEEPSPEED_TIMEOUT`` minutes). Raise it when one rank works alone
-    for long, e.g. a slow shared file system under checkpoint writes (DeepSpeed#6705)."""
+    for long, e.g. a slow shared file system under checkpoint writes (DeepSpeed#6705). It also bounds the rendezvous:
+    rank 0 waits this long for every rank to join at start, so keep it above the start-up skew between nodes."""
 
     def __post_init__(self) -> None:
         for name in ("overlap_comm", "contiguous_gradients"):

@@ -102,6 +102,9 @@ def test_typo_key_names_key_and_file(tmp_path, where, key):
     ("deepspeed", "zero_stage", 4),
     ("deepspeed", "precision", "fp8"),
     ("logging", "keep_last_k", 0),
+    ("phase", "schedule_steps", 10),  # shorter than the phase's 60 steps
+    ("deepspeed", "process_group_timeout_s", 0),
+    ("deepspeed", "process_group_timeout_s", "600"),
 ])
 def test_bad_value_names_field(tmp_path, section, field, value):
     data = _tiny()
@@ -128,6 +131,27 @@ def test_lamb_refuses_zero3(tmp_path):
         load_recipe(_write(tmp_path, data))
 
 
+def test_paper_schedule_spans_both_phases():
+    """bert_base_paper: one warm-up of 10,000 steps and one linear decay to 0 over 1,000,000 steps, split 900,000 at
+    seq 128 and 100,000 at 512 (BERT paper, Appendix A.2): phase 2's lr continues phase 1's line step for step."""
+    from bert_ds.optim import warmup_poly_decay
+
+    r = load_recipe(CONFIGS[0].parent / "bert_base_paper.json")
+    p1, p2 = r.phases
+    f1 = warmup_poly_decay(p1.schedule_steps, p1.warmup_fraction, p1.decay_power)
+    f2 = warmup_poly_decay(p2.schedule_steps or p2.steps, p2.warmup_fraction, p2.decay_power)
+
+    def paper_lr(n: int) -> float:  # the n-th update of the run, 1-based
+        return 1e-4 * (n / 10_000 if n <= 10_000 else (1_000_000 - n) / 990_000)
+
+    for n in (1, 5_000, 10_000, 10_001, 500_000, 899_999, 900_000):
+        assert p1.lr * f1(n - 1) == pytest.approx(paper_lr(n), rel=1e-12), n
+    for n in (900_001, 950_000, 999_999, 1_000_000):
+        assert p2.lr * f2(n - 900_001) == pytest.approx(paper_lr(n), rel=1e-12, abs=1e-30), n
+    assert (p1.global_batch_size, p2.global_batch_size, r.optimizer.name, r.optimizer.weight_decay) == \
+        (256, 256, "adamw", 0.01)
+
+
 def test_resume_blockers_name_fields():
     saved = Recipe.from_dict(_tiny())
     changed = _tiny()
@@ -136,6 +160,7 @@ def test_resume_blockers_name_fields():
     changed["logging"]["interval"] = 1  # does not matter
     changed["phases"][0]["micro_batch_size"] = 2  # does not matter (accumulation absorbs it)
     changed["phases"][0]["checkpoint_interval"] = 5  # does not matter
+    changed["deepspeed"]["process_group_timeout_s"] = 3600  # does not matter
     assert resume_blockers(saved.to_dict(), Recipe.from_dict(changed)) == ["optimizer.weight_decay", "phases[1].lr"]
 
 
