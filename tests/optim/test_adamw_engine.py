@@ -23,8 +23,8 @@ from bert_ds.data.loader import build_loader
 from bert_ds.optim import param_groups, warmup_poly_decay
 from bert_ds.recipe import Recipe
 from bert_ds.runtime.engine import build_model
-from tests.helpers.adamw_engine_worker import MODEL_INPUTS
 from tests.helpers.lamb_harness import run_ranks
+from tests.helpers.recipe_engine_worker import MODEL_INPUTS
 from tests.helpers.runs import param_diffs
 
 pytestmark = pytest.mark.slow
@@ -83,7 +83,7 @@ def test_adamw_zero2_two_ranks_matches_plain_adamw(shards_128, tokenizer_dir, tm
     recipe = Recipe.from_dict(RECIPE)
     vocab = tokenizer_dir / "vocab.txt"
     out = tmp_path / "engine"
-    run_ranks(2, out, "tests.helpers.adamw_engine_worker",
+    run_ranks(2, out, "tests.helpers.recipe_engine_worker",
               [f"--recipe={recipe_path}", f"--steps={STEPS}", f"--data={shards_128}", f"--vocab={vocab}",
                f"--out={out}"])
     engine = torch.load(out / "params.pt")
