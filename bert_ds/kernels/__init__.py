@@ -5,8 +5,8 @@
 ``backend`` in :data:`BACKENDS`: ``auto`` picks Triton on CUDA tensors and torch elsewhere (one warning
 per op per process), ``triton``/``torch``/``apex`` are explicit and raise when they cannot run.
 ``TRITON_INTERPRET=1`` lets explicit ``triton`` run on CPU tensors (how the tests check the kernels).
-The Triton attention has no dropout: ``auto`` with
-``dropout_p > 0`` uses the torch twin (SDPA), explicit ``triton`` raises.
+Both Triton attentions apply attention dropout in the kernels (Philox keep-mask keyed by torch's RNG,
+:mod:`.dropout`), so ``auto`` keeps them with ``dropout_p > 0``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .attention import attention_torch, attention_triton
 from .attention_varlen import varlen_attention_torch, varlen_attention_triton
 from .bias_gelu import bias_gelu_torch, bias_gelu_triton
 from .layer_norm import layer_norm_apex, layer_norm_torch, layer_norm_triton
-from .registry import BACKENDS, resolve_backend, warn_fallback_once
+from .registry import BACKENDS, resolve_backend
 
 __all__ = ["BACKENDS", "LayerNorm", "attention", "bias_gelu", "layer_norm", "resolve_backend",
            "varlen_attention"]
@@ -46,12 +46,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mas
 
     ``key_padding_mask`` (B, S) bool, True = real token. Padded query rows are finite but arbitrary.
     """
-    chosen = resolve_backend("attention", backend, q.device)
-    if chosen == "triton" and dropout_p > 0.0 and backend == "auto":
-        warn_fallback_once("attention-dropout", "bert_ds.kernels: the Triton attention has no dropout; backend "
-                                                "'auto' with dropout_p > 0 uses torch SDPA (warned once per process)")
-        chosen = "torch"
-    return _ATTENTION[chosen](q, k, v, key_padding_mask, dropout_p)
+    return _ATTENTION[resolve_backend("attention", backend, q.device)](q, k, v, key_padding_mask, dropout_p)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -63,10 +58,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     :mod:`.attention_varlen`.
     """
     chosen = resolve_backend("varlen_attention", backend, q.device)
-    if chosen == "triton" and dropout_p > 0.0 and backend == "auto":
-        warn_fallback_once("attention-dropout", "bert_ds.kernels: the Triton attention has no dropout; backend "
-                                                "'auto' with dropout_p > 0 uses torch SDPA (warned once per process)")
-        chosen = "torch"
     return _VARLEN_ATTENTION[chosen](q, k, v, cu_seqlens, max_seqlen, dropout_p, seqlens)
 
 

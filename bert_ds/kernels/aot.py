@@ -1,11 +1,12 @@
 """Ahead-of-time builds of the Triton kernels the runtime launches, and what their machine code shows.
 
 No GPU is needed. Each entry of :data:`ENTRIES` runs an op's real launch code (the autograd wrappers in
-``layer_norm.py``, ``bias_gelu.py``, ``attention.py``, forward and backward) on CPU tensors laid out as the model
-passes them, at BERT-base and BERT-large shapes, inside :func:`~.jit.record_launches`: the launches are recorded, not
-run. :func:`~.jit.specialize` then gives each launch the JIT's own specialisation for a target (argument types,
-integers divisible by 16 marked ``tt.divisibility`` 16, integers equal to 1 folded to constants, pointer alignment),
-so the binary built here is the one the runtime compiles. Launches with one specialisation share one build.
+``layer_norm.py``, ``bias_gelu.py``, ``attention.py``, forward and backward; attention with and without dropout) on
+CPU tensors laid out as the model passes them, at BERT-base and BERT-large shapes, inside
+:func:`~.jit.record_launches`: the launches are recorded, not run. :func:`~.jit.specialize` then gives each launch
+the JIT's own specialisation for a target (argument types, integers divisible by 16 marked ``tt.divisibility`` 16,
+integers equal to 1 folded to constants, pointer alignment), so the binary built here is the one the runtime compiles.
+Launches with one specialisation share one build.
 
 For every build and target the report reads, with triton's bundled ``cuobjdump``:
 
@@ -44,9 +45,9 @@ from .bias_gelu import bias_gelu_triton
 from .jit import Specialization, compiler_mode_problem, record_launches, specialize
 from .layer_norm import layer_norm_triton
 
-__all__ = ["ENTRIES", "TARGETS", "Build", "KernelEntry", "KernelReport", "ModelShape", "TensorCores", "WideAccess",
-           "analyse", "bert_shapes", "compile_build", "controls", "cuobjdump_path", "format_report", "kernel_builds",
-           "report", "report_json", "sass", "sass_ops"]
+__all__ = ["ATTENTION_DROPOUT", "ENTRIES", "TARGETS", "Build", "KernelEntry", "KernelReport", "ModelShape",
+           "TensorCores", "WideAccess", "analyse", "bert_shapes", "compile_build", "controls", "cuobjdump_path",
+           "format_report", "kernel_builds", "report", "report_json", "sass", "sass_ops"]
 
 TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
 
@@ -136,12 +137,18 @@ def _launch_bias_gelu(shape: ModelShape, dtype: torch.dtype) -> None:
             _backward(bias_gelu_triton(_leaf(rows, width, dtype=dtype), _leaf(width, dtype=dtype)))
 
 
+# Attention is built without dropout (evaluation, recipes with attention dropout 0) and with the paper's 0.1 (every
+# other recipe in training): DROPOUT is a constexpr, so each is its own binary.
+ATTENTION_DROPOUT = (0.0, 0.1)
+
+
 def _launch_attention(shape: ModelShape, dtype: torch.dtype) -> None:
     b, s, h, nh = shape.batch, shape.seq, shape.hidden, shape.heads
     # As BertSelfAttention: each of q, k, v is a (B, nh, S, hd) view of its projection's (B, S, H) output.
     q, k, v = (_leaf(b, s, h, dtype=dtype).view(b, s, nh, h // nh).transpose(1, 2) for _ in range(3))
     mask = torch.ones(b, s, dtype=torch.bool)
-    _backward(attention_triton(q, k, v, mask).transpose(1, 2).reshape(b, s, h))
+    for dropout_p in ATTENTION_DROPOUT:
+        _backward(attention_triton(q, k, v, mask, dropout_p).transpose(1, 2).reshape(b, s, h))
 
 
 def _launch_varlen_attention(shape: ModelShape, dtype: torch.dtype) -> None:
@@ -153,7 +160,8 @@ def _launch_varlen_attention(shape: ModelShape, dtype: torch.dtype) -> None:
         total = b * longest
         q, k, v = (_leaf(total, h, dtype=dtype).view(total, nh, h // nh) for _ in range(3))
         cu_seqlens = torch.arange(0, total + 1, longest, dtype=torch.int32)
-        _backward(varlen_attention_triton(q, k, v, cu_seqlens, longest).reshape(total, h))
+        for dropout_p in ATTENTION_DROPOUT:
+            _backward(varlen_attention_triton(q, k, v, cu_seqlens, longest, dropout_p).reshape(total, h))
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,12 @@ Masking: ``key_padding_mask`` is (B, S) bool, True = real token. Keys that are p
 weight. A query row with no real key at all (an all-padding sequence) outputs zeros instead of NaN;
 padded query rows otherwise attend normally and are finite.
 
-Dropout decision: the Triton kernels do not implement attention dropout. ``attention_triton``
-raises ``ValueError`` when ``dropout_p > 0``; the registry's ``auto`` routes ``dropout_p > 0`` to
-the torch twin (SDPA) with one warning per process.
+Dropout (``DROPOUT`` constexpr, FlashAttention-2's placement): the log-sum-exp and the softmax
+statistics are those of the undropped probabilities P; the kernels multiply P by a Philox keep-mask
+Z and 1/(1-p) before P V, and the backward regenerates Z from the call's seed (:mod:`.dropout`):
+dV = (P*Z/(1-p))^T dO, dS = P * (Z/(1-p) * dO V^T - delta). ``delta = rowsum(dO * O)`` still equals
+rowsum(P * dP) because O holds the dropped probabilities. :func:`attention_torch` given
+``dropout_mask`` (from :func:`.dropout.dropout_keep_mask`) computes the same function in torch.
 
 Scale is 1/sqrt(head_dim); inside the kernels it is folded with log2(e) so the softmax uses exp2.
 fp32 inputs use IEEE fp32 matmuls (no TF32) so the kernel matches the fp32 twin; bf16/fp16 inputs
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .jit import LateJIT, interpreter_enabled
+from .dropout import check_dropout_p, draw_dropout_seed, dropout_keep
+from .jit import interpreter_enabled, late_jit
 
 __all__ = ["ATTENTION_CONFIGS", "SUPPORTED_HEAD_DIMS", "attention_torch", "attention_triton"]
 
@@ -39,9 +43,12 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 # Block sizes shipped for head_dim 64 (BERT-base and -large); tools/kernel_report.py compiles exactly
 # these. A forward with BLOCK_M=128, BLOCK_N=64, 4 warps spilled registers on sm_80/90 (STACK > 0 in the report
 # `python tools/kernel_report.py` prints from cuobjdump --dump-resource-usage; tests/kernels/test_kernel_report.py).
+# With dropout the dK/dV kernel also holds the Philox state of a BLOCK_M x BLOCK_N tile: at 32 x 64 it spilled on sm_80
+# (255 registers, STACK 8); at 32 x 32 it takes about 120 on sm_80 and sm_90 (tests/kernels/test_sass.py).
 ATTENTION_CONFIGS = {
     "fwd": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
     "bwd_dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4},
+    "bwd_dkdv_dropout": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4},
     "bwd_dq": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4},
 }
 
@@ -54,18 +61,36 @@ def _sdpa_mask(key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
-                    dropout_p: float = 0.0) -> torch.Tensor:
-    """Reference: SDPA on (B, nh, S, hd) with a boolean key-padding mask (True = real token)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_sdpa_mask(key_padding_mask), dropout_p=dropout_p)
+                    dropout_p: float = 0.0, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: SDPA on (B, nh, S, hd) with a boolean key-padding mask (True = real token).
+
+    ``dropout_mask`` (B, nh, S, S) bool, True = kept: drop exactly these probabilities (scaled by 1/(1-p)) instead of
+    SDPA's own draw, written out in torch; a sequence without a real key then outputs zeros, as the kernel does."""
+    if dropout_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_sdpa_mask(key_padding_mask), dropout_p=dropout_p)
+    if dropout_mask.shape != (*q.shape[:3], k.shape[2]):
+        raise ValueError(f"dropout_mask must be (B, nh, S, S) = {(*q.shape[:3], k.shape[2])}, "
+                         f"got {tuple(dropout_mask.shape)}")
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, nh, S, S)
+    if key_padding_mask is not None:
+        real = key_padding_mask[:, None, None, :].to(torch.bool)
+        # A finite fill, not -inf: a row without a real key must not make NaN (its weights are zeroed below).
+        scores = scores.masked_fill(~real, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1) * real.any(-1, keepdim=True)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs * dropout_mask / (1.0 - dropout_p)) @ v
 
 
-@LateJIT
+# The seed halves change every call: not specialised (an argument divisible by 16 or equal to 1 would recompile).
+@late_jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _attn_fwd_kernel(
     Q, K, V, Mask, Out, LSE,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    H, S, qk_scale,
-    HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    H, S, qk_scale, seed_lo, seed_hi, dropout_p,
+    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -97,29 +122,36 @@ def _attn_fwd_kernel(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # statistics of the undropped P
+        if DROPOUT:
+            p = tl.where(dropout_keep(seed_lo, seed_hi, dropout_p, b, h, offs_m, cols), p, 0.0)
         v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :],
                     mask=(cols < S)[:, None], other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty).to(DOT_DTYPE), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    denom = tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        denom = denom * (1.0 - dropout_p)
+    acc = acc / denom[:, None]
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))  # log2-domain log-sum-exp of the scaled scores
     tl.store(LSE + bh.to(tl.int64) * S + offs_m, tl.where(empty, 0.0, lse), mask=row_ok)
 
 
-@LateJIT
+@late_jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, Mask, DO, LSE, Delta, DK, DV,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos, stride_gb, stride_gh, stride_gs,
-    H, S, qk_scale, sm_scale,
-    HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    H, S, qk_scale, sm_scale, seed_lo, seed_hi, dropout_p,
+    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dV = P^T dO;  dS = P * (dO V^T - delta);  dK = scale * dS^T Q.  DK and DV share strides stride_g*.
+    # With dropout, P in dV and dO V^T are masked by Z and scaled by 1/(1-p); dS keeps the undropped P (module doc).
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -140,6 +172,7 @@ def _attn_bwd_dkdv_kernel(
     row_stats = bh.to(tl.int64) * S
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    rp = 1.0 / (1.0 - dropout_p)  # dropout's scale (1 without dropout)
     for start_m in range(0, S, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < S
@@ -151,22 +184,31 @@ def _attn_bwd_dkdv_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         p = tl.where(row_ok[:, None] & key_ok[None, :], p, 0.0)
-        dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(seed_lo, seed_hi, dropout_p, b, h, rows, cols)
+            dv += tl.dot(tl.trans(tl.where(keep, p, 0.0).to(Q.dtype.element_ty).to(DOT_DTYPE)), do,
+                         input_precision=INPUT_PRECISION)
+            dp = tl.where(keep, dp * rp, 0.0)
+        else:
+            dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(Q.dtype.element_ty).to(DOT_DTYPE)), q, input_precision=INPUT_PRECISION)
+    if DROPOUT:
+        dv = dv * rp
     out = b * stride_gb + h * stride_gh + cols[:, None] * stride_gs + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
-@LateJIT
+@late_jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _attn_bwd_dq_kernel(
     Q, K, V, Mask, DO, LSE, Delta, DQ,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos, stride_gb, stride_gh, stride_gs,
-    H, S, qk_scale, sm_scale,
-    HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    H, S, qk_scale, sm_scale, seed_lo, seed_hi, dropout_p,
+    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dQ = scale * dS K, with dS recomputed per key block.  DQ has strides stride_g*.
@@ -188,6 +230,7 @@ def _attn_bwd_dq_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    rp = 1.0 / (1.0 - dropout_p)  # dropout's scale (1 without dropout)
     for start_n in range(0, S, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < S
@@ -200,6 +243,8 @@ def _attn_bwd_dq_kernel(
         p = tl.math.exp2(qk - lse[:, None])
         p = tl.where(row_ok[:, None] & key_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(dropout_keep(seed_lo, seed_hi, dropout_p, b, h, rows, cols), dp * rp, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(Q.dtype.element_ty).to(DOT_DTYPE), k, input_precision=INPUT_PRECISION)
     tl.store(DQ + b * stride_gb + h * stride_gh + rows[:, None] * stride_gs + offs_d[None, :],
@@ -229,8 +274,9 @@ def _dot_args(dtype: torch.dtype) -> dict:
 
 class _AttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask):
+    def forward(ctx, q, k, v, mask, dropout_p):
         batch, heads, seq, head_dim = q.shape
+        seed = draw_dropout_seed() if dropout_p > 0.0 else (0, 0)
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         o = torch.empty((batch, heads, seq, head_dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch * heads, seq), dtype=torch.float32, device=q.device)
@@ -241,11 +287,11 @@ class _AttentionTriton(torch.autograd.Function):
         grid = (triton.cdiv(seq, cfg["BLOCK_M"]), batch * heads)
         _attn_fwd_kernel[grid](
             q, k, v, mask_arg, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            heads, seq, sm_scale * _LOG2E,
-            HAS_MASK=has_mask, HEAD_DIM=head_dim, **_dot_args(q.dtype), **cfg,
+            heads, seq, sm_scale * _LOG2E, *seed, dropout_p,
+            HAS_MASK=has_mask, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, **_dot_args(q.dtype), **cfg,
         )
         ctx.save_for_backward(q, k, v, mask if has_mask else None, o, lse)
-        ctx.sm_scale = sm_scale
+        ctx.sm_scale, ctx.seed, ctx.dropout_p = sm_scale, seed, dropout_p
         return o
 
     @staticmethod
@@ -258,11 +304,12 @@ class _AttentionTriton(torch.autograd.Function):
         dk = torch.empty_like(dq)
         dv = torch.empty_like(dq)
         mask_arg = mask if mask is not None else q
-        common = dict(HAS_MASK=mask is not None, HEAD_DIM=head_dim, **_dot_args(q.dtype))
+        common = dict(HAS_MASK=mask is not None, DROPOUT=ctx.dropout_p > 0.0, HEAD_DIM=head_dim,
+                      **_dot_args(q.dtype))
         args = (q, k, v, mask_arg, do, lse, delta)
         strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
-        scales = (heads, seq, ctx.sm_scale * _LOG2E, ctx.sm_scale)
-        cfg = ATTENTION_CONFIGS["bwd_dkdv"]
+        scales = (heads, seq, ctx.sm_scale * _LOG2E, ctx.sm_scale, *ctx.seed, ctx.dropout_p)
+        cfg = ATTENTION_CONFIGS["bwd_dkdv_dropout" if ctx.dropout_p > 0.0 else "bwd_dkdv"]
         _attn_bwd_dkdv_kernel[(triton.cdiv(seq, cfg["BLOCK_N"]), batch * heads)](
             *args, dk, dv, *strides, *scales, **common, **cfg,
         )
@@ -270,15 +317,14 @@ class _AttentionTriton(torch.autograd.Function):
         _attn_bwd_dq_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * heads)](
             *args, dq, *strides, *scales, **common, **cfg,
         )
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                      dropout_p: float = 0.0) -> torch.Tensor:
-    """Triton FlashAttention on (B, nh, S, hd); differentiable in q, k, v. No dropout (see module doc)."""
-    if dropout_p > 0.0:
-        raise ValueError(f"attention backend 'triton' does not implement dropout (dropout_p={dropout_p}); "
-                         "use backend='auto' or 'torch', or dropout_p=0.0")
+    """Triton FlashAttention on (B, nh, S, hd); differentiable in q, k, v. ``dropout_p > 0`` draws the call's Philox
+    seed from torch's default CPU generator (:mod:`.dropout`)."""
+    dropout_p = check_dropout_p(dropout_p, "attention backend 'triton'")
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"attention: q, k, v must share one (B, nh, S, hd) shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -293,4 +339,4 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
         if key_padding_mask.shape != (batch, seq):
             raise ValueError(f"key_padding_mask must be (B, S) = {(batch, seq)}, got {tuple(key_padding_mask.shape)}")
         mask = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
-    return _AttentionTriton.apply(q, k, v, mask)
+    return _AttentionTriton.apply(q, k, v, mask, dropout_p)

@@ -14,7 +14,9 @@ either way), and
 one query block of one head of one sequence and stops at that sequence's length, so the work is
 sum_b ceil(L_b / BLOCK)^2 blocks instead of B * ceil(S / BLOCK)^2. The arithmetic per block is the padded kernels'
 (:mod:`.attention`): online softmax in the exp2 domain, log-sum-exp saved for a backward that recomputes P, dK/dV per
-key block and dQ per query block without atomics. No dropout in Triton (as the padded kernels).
+key block and dQ per query block without atomics. Attention dropout as the padded kernels: the Philox keep-mask of
+:mod:`.dropout` at (sequence, head, query, key) counted within the sequence, so a sequence gets the same mask here as
+in the padded kernels for the same seed, and the backward regenerates it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .attention import SUPPORTED_HEAD_DIMS, _dot_args
+from .attention import SUPPORTED_HEAD_DIMS, _dot_args, attention_torch
+from .dropout import check_dropout_p, draw_dropout_seed, dropout_keep
 from .jit import late_jit
 
 __all__ = ["VARLEN_ATTENTION_CONFIGS", "varlen_attention_torch", "varlen_attention_triton", "varlen_block_config"]
@@ -38,11 +41,14 @@ VARLEN_ATTENTION_CONFIGS = {
     # Per longest-sequence bucket: short sequences waste less of a 32-row block on their ragged tail. The choice
     # depends only on the batch's max_seqlen (never on timing), so a run is reproducible; block sizes change only
     # the order of fp32 accumulation inside the online softmax. tools/kernel_report.py compiles every entry.
+    # With dropout, dK/dV at 32 x 64 sat at sm_80's 255-register limit; 32 x 32 leaves room for the Philox state.
     128: {"fwd": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4},
           "bwd_dkdv": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4},
+          "bwd_dkdv_dropout": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4},
           "bwd_dq": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4}},
     512: {"fwd": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
           "bwd_dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4},
+          "bwd_dkdv_dropout": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4},
           "bwd_dq": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4}},
 }
 
@@ -78,12 +84,15 @@ def _padding_slots(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> tup
 
 
 def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_seqlen: int, dropout_p: float = 0.0,
-                           seqlens: Sequence[int] | None = None) -> torch.Tensor:
+                           max_seqlen: int, dropout_p: float = 0.0, seqlens: Sequence[int] | None = None,
+                           dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reference and CPU path. On the CPU with ``seqlens`` (the lengths ``cu_seqlens`` encodes, as Python ints): SDPA
-    on each sequence alone. Otherwise: pad to (B, nh, max_seqlen, hd), SDPA with the key-padding mask, unpad."""
+    on each sequence alone. Otherwise: pad to (B, nh, max_seqlen, hd), SDPA with the key-padding mask, unpad.
+
+    ``dropout_mask`` (B, nh, max_seqlen, max_seqlen) bool, True = kept, in each sequence's own coordinates (what
+    :func:`.dropout.dropout_keep_mask` gives): drop exactly these (padded path, :func:`.attention.attention_torch`)."""
     _check(q, k, v, cu_seqlens, max_seqlen)
-    if seqlens is not None and q.device.type == "cpu":
+    if seqlens is not None and q.device.type == "cpu" and dropout_mask is None:
         if sum(seqlens) != q.shape[0] or len(seqlens) != cu_seqlens.numel() - 1:
             raise ValueError(f"varlen attention: seqlens (sum {sum(seqlens)}, {len(seqlens)} sequences) disagree "
                              f"with q ({q.shape[0]} tokens) and cu_seqlens ({cu_seqlens.numel() - 1} sequences)")
@@ -98,18 +107,21 @@ def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         out = t.new_zeros(batch * max_seqlen, heads, head_dim).index_copy(0, slots, t)
         return out.view(batch, max_seqlen, heads, head_dim).transpose(1, 2)  # (B, nh, S, hd)
 
-    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask[:, None, None, :],
-                                         dropout_p=dropout_p)
+    if dropout_mask is not None:
+        out = attention_torch(pad(q), pad(k), pad(v), mask, dropout_p, dropout_mask)
+    else:
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask[:, None, None, :],
+                                             dropout_p=dropout_p)
     return out.transpose(1, 2).reshape(batch * max_seqlen, heads, head_dim).index_select(0, slots)
 
 
 # T (packed tokens) changes every step and only offsets rows: not specialised, one binary for every batch.
-@late_jit(do_not_specialize=["T"])
+@late_jit(do_not_specialize=["T", "seed_lo", "seed_hi"])
 def _varlen_fwd_kernel(
     Q, K, V, CuSeqlens, Out, LSE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    H, T, qk_scale,
-    HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    H, T, qk_scale, seed_lo, seed_hi, dropout_p,
+    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -141,23 +153,28 @@ def _varlen_fwd_kernel(
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # every block has a real key: m_new is finite
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # statistics of the undropped P
+        if DROPOUT:
+            p = tl.where(dropout_keep(seed_lo, seed_hi, dropout_p, b, h, offs_m, cols), p, 0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None],
                     other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty).to(DOT_DTYPE), v, input_precision=INPUT_PRECISION)
         m_i = m_new
-    acc = acc / l_i[:, None]
+    if DROPOUT:
+        acc = acc / (l_i * (1.0 - dropout_p))[:, None]  # only the output is scaled; the LSE stays that of P
+    else:
+        acc = acc / l_i[:, None]
     tl.store(Out + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + h * T + start + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
-@late_jit(do_not_specialize=["T"])
+@late_jit(do_not_specialize=["T", "seed_lo", "seed_hi"])
 def _varlen_bwd_dkdv_kernel(
     Q, K, V, CuSeqlens, DO, LSE, Delta, DK, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,
-    H, T, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    H, T, qk_scale, sm_scale, seed_lo, seed_hi, dropout_p,
+    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dV = P^T dO;  dS = P * (dO V^T - delta);  dK = scale * dS^T Q.  DK and DV share strides stride_g*.
@@ -182,6 +199,7 @@ def _varlen_bwd_dkdv_kernel(
     stats = h * T + start
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    rp = 1.0 / (1.0 - dropout_p)  # dropout's scale (1 without dropout)
     for start_m in range(0, length, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < length
@@ -194,21 +212,29 @@ def _varlen_bwd_dkdv_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         p = tl.where(row_ok[:, None] & col_ok[None, :], p, 0.0)
-        dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        if DROPOUT:  # as the padded kernel: Z and 1/(1-p) on P in dV and on dO V^T; dS keeps the undropped P
+            keep = dropout_keep(seed_lo, seed_hi, dropout_p, b, h, rows, cols)
+            dv += tl.dot(tl.trans(tl.where(keep, p, 0.0).to(Q.dtype.element_ty).to(DOT_DTYPE)), do,
+                         input_precision=INPUT_PRECISION)
+            dp = tl.where(keep, dp * rp, 0.0)
+        else:
+            dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(Q.dtype.element_ty).to(DOT_DTYPE)), q, input_precision=INPUT_PRECISION)
+    if DROPOUT:
+        dv = dv * rp
     out = (start + cols[:, None]) * stride_gt + h * stride_gh + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
-@late_jit(do_not_specialize=["T"])
+@late_jit(do_not_specialize=["T", "seed_lo", "seed_hi"])
 def _varlen_bwd_dq_kernel(
     Q, K, V, CuSeqlens, DO, LSE, Delta, DQ,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_gt, stride_gh,
-    H, T, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    H, T, qk_scale, sm_scale, seed_lo, seed_hi, dropout_p,
+    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dQ = scale * dS K, with dS recomputed per key block.  DQ has strides stride_g*.
@@ -233,6 +259,7 @@ def _varlen_bwd_dq_kernel(
     k_base = K + start * stride_kt + h * stride_kh
     v_base = V + start * stride_vt + h * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    rp = 1.0 / (1.0 - dropout_p)  # dropout's scale (1 without dropout)
     for start_n in range(0, length, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < length
@@ -244,6 +271,8 @@ def _varlen_bwd_dq_kernel(
         p = tl.math.exp2(qk - lse[:, None])
         p = tl.where(row_ok[:, None] & col_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(dropout_keep(seed_lo, seed_hi, dropout_p, b, h, rows, cols), dp * rp, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(Q.dtype.element_ty).to(DOT_DTYPE), k, input_precision=INPUT_PRECISION)
     tl.store(DQ + (start + rows[:, None]) * stride_gt + h * stride_gh + offs_d[None, :],
@@ -260,8 +289,9 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
 
 class _VarlenAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p):
         total, heads, head_dim = q.shape
+        seed = draw_dropout_seed() if dropout_p > 0.0 else (0, 0)
         batch = cu_seqlens.numel() - 1
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -271,10 +301,12 @@ class _VarlenAttentionTriton(torch.autograd.Function):
         cfg = blocks["fwd"]
         _varlen_fwd_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_M"]), batch * heads)](
             q, k, v, cu_seqlens, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            heads, total, sm_scale * _LOG2E, HEAD_DIM=head_dim, **_dot_args(q.dtype), **cfg,
+            heads, total, sm_scale * _LOG2E, *seed, dropout_p, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
+            **_dot_args(q.dtype), **cfg,
         )
         ctx.save_for_backward(q, k, v, cu_seqlens, o, lse)
         ctx.sm_scale, ctx.max_seqlen, ctx.blocks = sm_scale, max_seqlen, blocks
+        ctx.seed, ctx.dropout_p = seed, dropout_p
         return o
 
     @staticmethod
@@ -286,11 +318,11 @@ class _VarlenAttentionTriton(torch.autograd.Function):
         delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()  # (nh, T) rowsum(dO * O)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk, dv = torch.empty_like(dq), torch.empty_like(dq)
-        common = dict(HEAD_DIM=head_dim, **_dot_args(q.dtype))
+        common = dict(DROPOUT=ctx.dropout_p > 0.0, HEAD_DIM=head_dim, **_dot_args(q.dtype))
         args = (q, k, v, cu_seqlens, do, lse, delta)
         strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
-        scales = (heads, total, ctx.sm_scale * _LOG2E, ctx.sm_scale)
-        cfg = ctx.blocks["bwd_dkdv"]
+        scales = (heads, total, ctx.sm_scale * _LOG2E, ctx.sm_scale, *ctx.seed, ctx.dropout_p)
+        cfg = ctx.blocks["bwd_dkdv_dropout" if ctx.dropout_p > 0.0 else "bwd_dkdv"]
         _varlen_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, cfg["BLOCK_N"]), batch * heads)](
             *args, dk, dv, *strides, *scales, **common, **cfg,
         )
@@ -298,17 +330,16 @@ class _VarlenAttentionTriton(torch.autograd.Function):
         _varlen_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, cfg["BLOCK_M"]), batch * heads)](
             *args, dq, *strides, *scales, **common, **cfg,
         )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, dropout_p: float = 0.0,
                             seqlens: Sequence[int] | None = None) -> torch.Tensor:
-    """Triton FlashAttention on packed (T, nh, hd) tokens; differentiable in q, k, v. No dropout. ``seqlens`` is
-    accepted for the twin's signature and not needed: the kernels read ``cu_seqlens`` on the device."""
-    if dropout_p > 0.0:
-        raise ValueError(f"varlen attention backend 'triton' does not implement dropout (dropout_p={dropout_p}); "
-                         "use backend='auto' or 'torch', or dropout_p=0.0")
+    """Triton FlashAttention on packed (T, nh, hd) tokens; differentiable in q, k, v. ``dropout_p > 0`` draws the
+    call's Philox seed from torch's default CPU generator (:mod:`.dropout`). ``seqlens`` is accepted for the twin's
+    signature and not needed: the kernels read ``cu_seqlens`` on the device."""
+    dropout_p = check_dropout_p(dropout_p, "varlen attention backend 'triton'")
     _check(q, k, v, cu_seqlens, max_seqlen)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"varlen attention backend 'triton' needs q, k, v of one dtype among fp32/fp16/bf16, got "
@@ -317,4 +348,4 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise ValueError(f"varlen attention backend 'triton' supports head_dim in {SUPPORTED_HEAD_DIMS}, "
                          f"got {q.shape[2]}")
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    return _VarlenAttentionTriton.apply(q, k, v, cu, int(max_seqlen))
+    return _VarlenAttentionTriton.apply(q, k, v, cu, int(max_seqlen), dropout_p)

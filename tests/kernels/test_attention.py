@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import bert_ds.kernels as kernels
 from bert_ds.kernels import attention
 from bert_ds.kernels.attention import attention_torch
 from tests.helpers.kernels import grads_of
@@ -87,20 +86,10 @@ def test_attention_triton_rejects_mixed_dtypes():
         attention(q, q.bfloat16(), q, backend="triton")
 
 
-def test_attention_triton_rejects_dropout():
-    q = torch.randn(1, 1, 16, HEAD_DIM)
-    with pytest.raises(ValueError, match="dropout"):
-        attention(q, q, q, dropout_p=0.1, backend="triton")
-
-
-def test_attention_auto_with_dropout_uses_sdpa(monkeypatch, fresh_warnings):
-    # Pretend we are on CUDA (auto -> triton); dropout must then route to the torch twin, warning once.
-    monkeypatch.setattr(kernels, "resolve_backend", lambda op, requested, device: "triton")
-    q = torch.randn(1, 2, 16, HEAD_DIM)
-    with pytest.warns(RuntimeWarning, match="dropout") as record:
-        torch.manual_seed(0)
-        out = attention(q, q, q, dropout_p=0.5)
-        attention(q, q, q, dropout_p=0.5)
-    assert len(record) == 1
-    torch.manual_seed(0)
-    torch.testing.assert_close(out, attention_torch(q, q, q, dropout_p=0.5))
+def test_attention_triton_dropout_zero_is_the_undropped_kernel():
+    # dropout_p=0 builds DROPOUT=False: the same function as the twin without dropout (tests/kernels/
+    # test_attention_dropout.py covers p > 0).
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 40, HEAD_DIM, generator=gen) for _ in range(3))
+    torch.testing.assert_close(attention(q, k, v, dropout_p=0.0, backend="triton"), attention_torch(q, k, v),
+                               **TOL[torch.float32])
