@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +25,14 @@ import torch
 from bert_ds.checkpoint.layout import read_run_state, rng_file
 from bert_ds.safe_load import CheckpointError, deepspeed_loads_weights_only, load_tensor_file
 
-__all__ = ["Handoff", "RestoredRun", "consolidated_state_dict", "load_rng_state", "open_handoff", "restore_run"]
+__all__ = ["Handoff", "RestoredRun", "consolidated_state_dict", "load_rng_state", "open_handoff", "restore_run",
+           "zero_partition_files"]
 
 log = logging.getLogger("bert_ds.checkpoint")
 
-_ZERO_FILES = "zero_pp_rank_*_mp_rank_00_optim_states.pt"
-"""DeepSpeed's name for one saved rank's ZeRO 1/2 optimizer partition (``zero_pp_rank_<r>_mp_rank_00_...``)."""
+_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+"""DeepSpeed 0.19's name for one saved rank's ZeRO 1/2 optimizer partition: ``zero_pp_rank_<r>_mp_rank_00_...``, with
+a ``bf16_`` prefix when the run trained in bf16 (``DeepSpeedEngine._get_zero_ckpt_prefix``)."""
 _MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
@@ -125,7 +128,7 @@ def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
     """The ZeRO optimizer files of every saved rank, loaded, in rank order; refused unless they are elastic."""
     from bert_ds.runtime.deepspeed_internals import is_elastic_zero_state
 
-    files = sorted(tag_dir.glob(_ZERO_FILES), key=lambda f: int(f.name.split("_")[3]))
+    files = zero_partition_files(tag_dir)
     if len(files) != saved_world_size:
         raise ValueError(f"checkpoint {tag_dir.name!r}: {len(files)} ZeRO partition files for {saved_world_size} "
                          f"saved ranks")
@@ -134,6 +137,12 @@ def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
         raise ValueError(f"checkpoint {tag_dir.name!r} was not saved with zero_optimization.elastic_checkpoint; it can "
                          f"only be resumed on {saved_world_size} ranks")
     return saved
+
+
+def zero_partition_files(tag_dir: str | Path) -> list[Path]:
+    """The ZeRO 1/2 optimizer partition files of a tag (fp32/fp16 or bf16 naming), in saved-rank order."""
+    found = [(int(m.group(1)), f) for f in Path(tag_dir).iterdir() if (m := _ZERO_FILE.match(f.name))]
+    return [f for _, f in sorted(found)]
 
 
 def _apply_scheduler_lr(engine) -> None:
@@ -165,11 +174,11 @@ def consolidated_state_dict(ckpt_dir: str | Path, tag: str) -> dict[str, torch.T
     """Full fp32 model weights of a checkpoint, whatever its ZeRO stage and rank count (phase hand-off, export,
     evaluation).
 
-    ZeRO 1-3 keep the fp32 master weights in ``zero_pp_rank_*_optim_states.pt`` partitions, which DeepSpeed's own
+    ZeRO 1-3 keep the fp32 master weights in ``[bf16_]zero_pp_rank_*_optim_states.pt`` partitions, which DeepSpeed's own
     ``zero_to_fp32`` merges. Stage 0 writes no partitions: the module weights in ``mp_rank_00_model_states.pt`` are the
     full model (the fp32 weights when training in fp32; the half-precision copies, upcast, with fp16/bf16)."""
     tag_dir = Path(ckpt_dir) / tag
-    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):
+    if zero_partition_files(tag_dir):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with deepspeed_loads_weights_only(tag_dir):

@@ -20,18 +20,10 @@ pytestmark = pytest.mark.slow
 CPU_ONLY = {"tiny_cpu", "demo_cpu", "demo_warmup_cpu"}  # run by the engine and demo tests already
 GPU_RECIPES = sorted(p for p in (REPO / "ds_configs").glob("*.json") if p.stem not in CPU_ONLY)
 SMOKE_STEPS = 2
-# Known bug (reported, in the checkpoint owner's files): DeepSpeed 0.19 names a bf16 run's ZeRO files
-# ``bf16_zero_pp_rank_*`` (runtime/engine.py ``_get_zero_ckpt_prefix``), and bert_ds's restore globs only
-# ``zero_pp_rank_*``, so a bf16 ZeRO-1/2 run cannot hand phase 1 over to phase 2 or resume ("0 ZeRO partition files for
-# 2 saved ranks"). On a GPU every recipe with precision auto is bf16. Strict: the mark must go once restore is fixed.
-BF16_RESTORE_BUG = pytest.mark.xfail(strict=True, reason="bf16 ZeRO checkpoints are named bf16_zero_pp_rank_*; "
-                                                         "bert_ds's restore looks for zero_pp_rank_* only")
 
 
 def _param(path: Path):
-    bf16_two_phases = (json.loads(path.read_text())["deepspeed"].get("precision") == "bf16"
-                       and len(json.loads(path.read_text())["phases"]) > 1)
-    return pytest.param(path, id=path.stem, marks=[BF16_RESTORE_BUG] if bf16_two_phases else [])
+    return pytest.param(path, id=path.stem)
 
 
 def smoke_variant(path: Path) -> dict:
