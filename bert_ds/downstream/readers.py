@@ -368,6 +368,14 @@ def read_conll(spec: TaskSpec, path: str | Path) -> list[dict]:
 def read_records(path: str | Path) -> list[dict]:
     """Rows of a ``.csv`` file (header line, standard quoting) or a JSON-lines file (``.jsonl`` / ``.json``, one object
     a line), as dicts keyed by column name."""
+    rows = _numbered_rows(path)
+    for row in rows:
+        del row["_line"]
+    return rows
+
+
+def _numbered_rows(path: str | Path) -> list[dict]:
+    """``read_records`` with each row's line number under ``"_line"``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
@@ -434,7 +442,7 @@ def _words(value) -> list[str]:
 
 
 def _records_for(spec: TaskSpec, path, columns: dict[str, str]) -> list[dict]:
-    rows = read_records(path)
+    rows = _numbered_rows(path)
     out = []
     for row in rows:
         line = row["_line"]
