@@ -126,7 +126,8 @@ def _bias_gelu_cases(shapes, dtype, device, gen) -> list[_Case]:
     return cases
 
 
-def _attention_cases(shapes, dtype, device, gen) -> list[_Case]:
+def _attention_cases(shapes, dtype, device, gen, dropout_p: float = 0.0) -> list[_Case]:
+    # dropout_p > 0 only for timing: kernel and twin draw different masks, so their values are not compared.
     cases = []
     for lengths, heads, seq in shapes:
         batch = len(lengths)
@@ -136,22 +137,23 @@ def _attention_cases(shapes, dtype, device, gen) -> list[_Case]:
         mask = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).to(device)
         rows = mask[:, None, :, None].expand(q.shape)
         label = f"batch={batch},seq={seq},heads={heads}" + (f",lengths={lengths}" if min(lengths) < seq else "")
+        label += f",dropout={dropout_p}" if dropout_p else ""
         cases.append(_Case(label, lambda be, q, k, v, mask=mask: kernels.attention(
-            q, k, v, mask, backend=be), [q, k, v], do, rows))
+            q, k, v, mask, dropout_p, backend=be), [q, k, v], do, rows))
     return cases
 
 
-def _varlen_attention_cases(shapes, dtype, device, gen) -> list[_Case]:
+def _varlen_attention_cases(shapes, dtype, device, gen, dropout_p: float = 0.0) -> list[_Case]:
     cases = []
     for lengths, heads in shapes:
         total = sum(lengths)
         q, k, v, do = (torch.randn(total, heads, 64, generator=gen).to(device, dtype) for _ in range(4))
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
         label = (f"lengths={lengths}" if len(set(lengths)) > 1 else f"{len(lengths)}x{lengths[0]} tokens") + \
-            f",heads={heads}"
+            f",heads={heads}" + (f",dropout={dropout_p}" if dropout_p else "")
         longest = max(lengths)
         cases.append(_Case(label, lambda be, q, k, v, cu=cu, m=longest: kernels.varlen_attention(
-            q, k, v, cu, m, backend=be), [q, k, v], do))
+            q, k, v, cu, m, dropout_p, backend=be), [q, k, v], do))
     return cases
 
 
@@ -244,15 +246,18 @@ def _cuda_ms(fn: Callable[[], object], warmup: int = 5, reps: int = 20) -> float
 
 
 def measure_kernel_speed(device: torch.device) -> list[Item]:
-    """Triton kernel vs torch twin at BERT-large bf16 shapes (batch 32 x seq 128 rows; attention also at seq 512):
-    forward and forward+backward median ms, and the twin's time over the kernel's (speedup)."""
+    """Triton kernel vs torch twin at BERT-large bf16 shapes (batch 32 x seq 128 rows; attention also at seq 512, with
+    and without attention dropout 0.1): forward and forward+backward median ms, and the twin's time over the
+    kernel's (speedup)."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     benches = {
         "layer_norm": _layer_norm_cases([(32, 128, 1024)], dtype, device, gen)[:1],
         "bias_gelu": _bias_gelu_cases([(32, 128, 4096)], dtype, device, gen),
-        "attention": _attention_cases([([128] * 32, 16, 128), ([512] * 8, 16, 512)], dtype, device, gen),
-        "varlen_attention": _varlen_attention_cases([([128] * 32, 16), ([512] * 8, 16)], dtype, device, gen),
+        "attention": [case for p in (0.0, 0.1) for case in _attention_cases(
+            [([128] * 32, 16, 128), ([512] * 8, 16, 512)], dtype, device, gen, p)],
+        "varlen_attention": [case for p in (0.0, 0.1) for case in _varlen_attention_cases(
+            [([128] * 32, 16), ([512] * 8, 16)], dtype, device, gen, p)],
     }
     items = []
     for op, cases in benches.items():
@@ -380,9 +385,9 @@ def measure_training(config: BertConfig, seq: int, batch: int, device: torch.dev
 
 def _train_on_gpu(config: BertConfig, seq: int, batch: int, device: torch.device, steps: int,
                   peak: float | None) -> tuple[bool, dict]:
-    """BERT at ``seq`` with each kernel backend: ``auto`` with the recipe's attention dropout (Triton LayerNorm and
-    bias-GELU, SDPA attention: the Triton attention has no dropout), and ``triton`` / ``torch`` with attention
-    dropout 0 so that every fused kernel runs against its twin on equal terms."""
+    """BERT at ``seq`` with each kernel backend: ``auto`` with the recipe's attention dropout (every Triton kernel,
+    the attention with its in-kernel dropout), and ``triton`` / ``torch`` with attention dropout 0 so that every
+    fused kernel runs against its twin on equal terms."""
     no_attn_dropout = dataclasses.replace(config, attention_probs_dropout_prob=0.0)
     runs = {}
     for backend, cfg in (("auto", config), ("triton", no_attn_dropout), ("torch", no_attn_dropout)):

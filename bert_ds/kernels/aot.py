@@ -363,7 +363,8 @@ def controls(target: GPUTarget = TARGETS[0]) -> list[tuple[str, KernelReport]]:
     - the memory-bound kernels as the AOT report built them before issue 10: ``N`` a plain i32, not marked
       16-divisible as the JIT marks 768/1024/3072/4096, so the row masks cannot be proven 8-aligned;
     - the attention forward on fp32 inputs (IEEE products: no tensor cores);
-    - the attention forward with BLOCK_M=128, BLOCK_N=64, the block size that spilled.
+    - the attention forward with BLOCK_M=128, BLOCK_N=64, the block size that spilled;
+    - the attention dK/dV kernel with dropout at the no-dropout block size (32 x 64), which spills on sm_80.
     """
     shape = bert_shapes()[:1]
     out = []
@@ -374,9 +375,13 @@ def controls(target: GPUTarget = TARGETS[0]) -> list[tuple[str, KernelReport]]:
     attn = [e for e in ENTRIES if e.op == "attention"]
     fp32 = [b for b in kernel_builds([target], shape, torch.float32, attn) if b.kernel == "_attn_fwd_kernel"]
     out.append(("_attn_fwd_kernel, fp32 inputs (IEEE products)", analyse(fp32[0])))
-    bf16 = [b for b in kernel_builds([target], shape, entries=attn) if b.kernel == "_attn_fwd_kernel"]
+    bf16 = kernel_builds([target], shape, entries=attn)
+    fwd = [b for b in bf16 if b.kernel == "_attn_fwd_kernel"]
     out.append(("_attn_fwd_kernel, BLOCK_M=128 BLOCK_N=64",
-                analyse(bf16[0].with_changes(constexprs={"BLOCK_M": 128, "BLOCK_N": 64}))))
+                analyse(fwd[0].with_changes(constexprs={"BLOCK_M": 128, "BLOCK_N": 64}))))
+    dkdv = [b for b in bf16 if b.kernel == "_attn_bwd_dkdv_kernel" and "DROPOUT=True" in b.label]
+    out.append(("_attn_bwd_dkdv_kernel, DROPOUT=True BLOCK_M=32 BLOCK_N=64",
+                analyse(dkdv[0].with_changes(constexprs={"BLOCK_M": 32, "BLOCK_N": 64}))))
     return out
 
 
