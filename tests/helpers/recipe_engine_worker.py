@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
-                "next_sentence_label")
+from bert_ds.data.batch import MODEL_INPUTS
 
 
 def main() -> None:
