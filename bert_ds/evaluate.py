@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint
+from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
 from bert_ds.config import BertConfig
 from bert_ds.data.batch import MODEL_INPUTS
 
@@ -109,8 +109,9 @@ def load_checkpoint_model(checkpoint_dir: str | Path, tag: str | None = None, *,
     Returns ``(model, ref)`` where ``ref`` (:class:`bert_ds.checkpoint.CheckpointRef`) names the resolved tag, the
     model config and the tokenizer directory. Raises :class:`bert_ds.checkpoint.CheckpointError` (a ValueError) for a
     missing directory, tag, ``model_config.json`` or tokenizer, and for weights that do not fit the config."""
-    ref = open_checkpoint(checkpoint_dir, tag)
-    return _model_from_checkpoint(ref, kernels), ref
+    with reading_tag(checkpoint_dir, tag) as held:  # pruning by a live training run skips the tag meanwhile
+        ref = open_checkpoint(checkpoint_dir, held)
+        return _model_from_checkpoint(ref, kernels), ref
 
 
 def _model_from_checkpoint(ref: CheckpointRef, kernels: str) -> nn.Module:
@@ -170,18 +171,19 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: eval data directory does not exist")
     index = ShardIndex.load(data_dir)
-    ref = open_checkpoint(checkpoint_dir, tag)
-    config: BertConfig = ref.config
-    vocab_hash = load_tokenizer(ref.tokenizer_dir).vocab_sha256  # the hash training checked its shards against
-    index.check_compatible(vocab_sha256=vocab_hash, vocab_size=config.vocab_size, where=str(data_dir))
-    if index.seq_len > config.max_position_embeddings:
-        raise ValueError(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "
-                         f"max_position_embeddings={config.max_position_embeddings}")
+    with reading_tag(checkpoint_dir, tag) as held:  # pruning by a live training run skips the tag meanwhile
+        ref = open_checkpoint(checkpoint_dir, held)  # also verifies the tag's checksums
+        config: BertConfig = ref.config
+        vocab_hash = load_tokenizer(ref.tokenizer_dir).vocab_sha256  # the hash training checked its shards against
+        index.check_compatible(vocab_sha256=vocab_hash, vocab_size=config.vocab_size, where=str(data_dir))
+        if index.seq_len > config.max_position_embeddings:
+            raise ValueError(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "
+                             f"max_position_embeddings={config.max_position_embeddings}")
 
-    # Compatibility first: consolidating a large ZeRO checkpoint takes a while and should not precede a refusal.
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    kernels, kernels_source, fell_back = _choose_kernels(kernels, ref.checkpoint_dir, device)
-    model = _model_from_checkpoint(ref, kernels)
+        # Compatibility first: consolidating a large ZeRO checkpoint takes a while and should not precede a refusal.
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        kernels, kernels_source, fell_back = _choose_kernels(kernels, ref.checkpoint_dir, device)
+        model = _model_from_checkpoint(ref, kernels)
     if fell_back:
         # Said once here: the kernel registry would warn once per fused op (three lines) about the same fact.
         log.warning("kernels 'auto' (%s): no Triton kernels on %s, evaluating with the torch implementations",

@@ -9,12 +9,15 @@ the files. By concern:
 * :mod:`.save`     all ranks write a ``<tag>.tmp``, agree, then rank 0 publishes it and moves ``latest``; pruning
 * :mod:`.restore`  mid-phase resume and phase hand-off (the ZeRO re-cut delegated to
                    :mod:`bert_ds.runtime.deepspeed_internals`), consolidated fp32 weights
-* :mod:`.lock`     one live run per directory (``flock``), free-space pre-flight
+* :mod:`.lock`     one live run per directory (``flock``), free-space pre-flight, readers holding a tag against
+                   pruning (:func:`reading_tag`)
+* :mod:`.integrity` every file's sha256 recorded in the tag's ``run_state.json`` at save, verified before reading
 
 Every ``.pt`` file is read through :mod:`bert_ds.safe_load` (``weights_only`` with an allow-list). deepspeed is
 imported only inside the functions that need it, so reading a run directory does not import it.
 """
 
+from bert_ds.checkpoint.integrity import DamagedCheckpointError, check_tag, verify_tag
 from bert_ds.checkpoint.layout import (
     CHECKPOINT_DIR,
     MODEL_CONFIG_NAME,
@@ -45,6 +48,7 @@ from bert_ds.checkpoint.lock import (
     check_free_space,
     hold_run_dir,
     parameter_count,
+    reading_tag,
 )
 from bert_ds.checkpoint.restore import (
     Handoff,
@@ -53,6 +57,7 @@ from bert_ds.checkpoint.restore import (
     load_rng_state,
     open_handoff,
     restore_run,
+    zero_partition_files,
 )
 from bert_ds.checkpoint.save import prune_checkpoints, save_checkpoint, save_rng_state
 from bert_ds.safe_load import (
@@ -65,6 +70,7 @@ from bert_ds.safe_load import (
 
 __all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "LOCK_NAME", "MODEL_CONFIG_NAME",
            "RUN_STATE_NAME", "TOKENIZER_DIR_NAME", "CheckpointError", "CheckpointRef", "CheckpointSaveError",
+           "DamagedCheckpointError", "check_tag", "reading_tag", "verify_tag", "zero_partition_files",
            "Handoff", "RestoredRun", "RunLock", "RunLockedError", "UnsafeCheckpointError", "acquire_run_lock",
            "check_free_space", "checkpoint_dir", "consolidated_state_dict", "deepspeed_loads_weights_only",
            "hold_run_dir", "list_tags", "load_rng_state", "load_tensor_file", "open_checkpoint", "open_handoff",

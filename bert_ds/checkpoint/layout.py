@@ -150,21 +150,49 @@ def tokenizer_dir(ckpt_dir: str | Path) -> Path:
     return path
 
 
-def open_checkpoint(ckpt_dir: str | Path, tag: str | None = None) -> CheckpointRef:
-    """Resolve ``tag`` (``latest`` unless given) and check the model config and the tokenizer agree on the
-    vocabulary, before anything reads tensors."""
+def open_checkpoint(ckpt_dir: str | Path, tag: str | None = None, verify: bool = True) -> CheckpointRef:
+    """Resolve ``tag`` (``latest`` unless given) and check, before anything reads tensors: the model config and the
+    tokenizer beside the tags agree on the vocabulary size; the tokenizer is the one the tag was trained with
+    (vocabulary sha256 and casing, recorded in its ``run_state.json``); and with ``verify`` every file of the tag
+    matches the checksum recorded at save (:mod:`bert_ds.checkpoint.integrity`). Each refusal is one
+    CheckpointError naming both sides or the damaged file."""
+    from bert_ds.checkpoint.integrity import check_tag
+
     ckpt_dir = Path(ckpt_dir)
     tag = resolve_tag(ckpt_dir, tag)
     config = read_model_config(ckpt_dir)
     tok_dir = tokenizer_dir(ckpt_dir)
     try:
-        size = load_tokenizer(tok_dir).vocab_size
+        tokenizer = load_tokenizer(tok_dir)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{tok_dir}: cannot load the tokenizer: {exc}") from exc
-    if size != config.vocab_size:
+    if tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(f"{ckpt_dir / MODEL_CONFIG_NAME}: vocab_size={config.vocab_size} but "
-                              f"{tok_dir / 'vocab.txt'} has {size} tokens")
+                              f"{tok_dir / 'vocab.txt'} has {tokenizer.vocab_size} tokens")
+    _check_trained_tokenizer(ckpt_dir, tag, tokenizer)
+    if verify:
+        check_tag(ckpt_dir / tag)
     return CheckpointRef(ckpt_dir, tag, config, tok_dir)
+
+
+def _check_trained_tokenizer(ckpt_dir: Path, tag: str, tokenizer) -> None:
+    """The tokenizer copy beside the tags must be what ``tag`` was trained with: a run directory whose ``tokenizer/``
+    was rewritten would otherwise export the old weights with another vocabulary or casing. Tags saved before bert_ds
+    recorded these (no ``vocab_sha256``/``lowercase`` in ``run_state.json``) cannot be checked."""
+    try:
+        state = read_run_state(ckpt_dir, tag)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{ckpt_dir / tag / RUN_STATE_NAME}: unreadable ({exc})") from exc
+    tok_dir = ckpt_dir / TOKENIZER_DIR_NAME
+    trained_sha, trained_lower = state.get("vocab_sha256"), state.get("lowercase")
+    if trained_sha is not None and trained_sha != tokenizer.vocab_sha256:
+        raise CheckpointError(f"{ckpt_dir / tag} was trained with vocabulary sha256 {trained_sha[:16]}... but "
+                              f"{tok_dir / 'vocab.txt'} has {tokenizer.vocab_sha256[:16]}...: the tokenizer beside "
+                              f"the tags is not the one this checkpoint learned")
+    if trained_lower is not None and trained_lower != tokenizer.lowercase:
+        raise CheckpointError(f"{ckpt_dir / tag} was trained with lowercase={trained_lower} but {tok_dir} says "
+                              f"lowercase={tokenizer.lowercase}: the tokenizer beside the tags is not the one this "
+                              f"checkpoint learned")
 
 
 def _fsync(path: Path) -> None:

@@ -7,21 +7,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bert_ds.checkpoint.layout import RunLockedError, _any_rank, checkpoint_dir, list_tags, remove_debris
+from bert_ds.checkpoint.layout import (
+    RunLockedError,
+    _any_rank,
+    checkpoint_dir,
+    list_tags,
+    remove_debris,
+    resolve_tag,
+)
 from bert_ds.config import BertConfig
 from bert_ds.safe_load import CheckpointError
 
 __all__ = ["BYTES_PER_PARAMETER", "LOCK_NAME", "RunLock", "acquire_run_lock", "bytes_needed", "check_free_space",
-           "hold_run_dir", "parameter_count"]
+           "hold_run_dir", "parameter_count", "reader_lock_path", "reading_tag", "try_exclusive_tag"]
 
 LOCK_NAME = ".lock"
 BYTES_PER_PARAMETER = 16
@@ -124,3 +133,79 @@ def hold_run_dir(run_dir: str | Path, rank: int) -> RunLock | None:
     if lock is not None:
         remove_debris(checkpoint_dir(run_dir))
     return lock
+
+
+# ---- readers against pruning ----------------------------------------------------------------------------------------
+# A reader (converter, evaluation) holds a shared flock on CKPT/.<tag>.readers while it reads the tag; pruning tries an
+# exclusive, non-blocking flock on the same file and skips the tag when a reader holds it (the next save's prune takes
+# it). A plain file beside the tag, not the tag directory: Linux maps flock to POSIX locks on NFS, which need a file
+# opened for writing.
+
+
+def reader_lock_path(ckpt_dir: str | Path, tag: str) -> Path:
+    return Path(ckpt_dir) / f".{tag}.readers"
+
+
+@contextlib.contextmanager
+def try_exclusive_tag(ckpt_dir: str | Path, tag: str) -> Iterator[bool]:
+    """Pruning: yields True holding the tag's reader lock exclusively (no reader; the lock file is removed on the way
+    out, with the tag), False when a reader holds it."""
+    path = reader_lock_path(ckpt_dir, tag)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            path.unlink(missing_ok=True)  # before the flock goes: a reader waiting on it then sees its tag is gone
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reading_tag(ckpt_dir: str | Path, tag: str | None = None) -> Iterator[str]:
+    """Resolve ``tag`` (``latest`` unless given) and hold it against pruning while the body reads it; yields the tag.
+    A tag pruned between resolving and locking: ``latest`` is resolved again; an explicit tag is a CheckpointError
+    naming it (one line, exit 2). The last reader out removes the lock file."""
+    ckpt_dir = Path(ckpt_dir)
+    for _ in range(5):
+        resolved = resolve_tag(ckpt_dir, tag)
+        path = reader_lock_path(ckpt_dir, resolved)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # a read-only copy of a run: nobody prunes it
+            yield resolved
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a prune deletes this very tag
+            if not (ckpt_dir / resolved).is_dir():
+                if tag is not None:
+                    raise CheckpointError(f"{ckpt_dir / resolved}: pruned by the training writing this run while it "
+                                          f"was being opened; pass a tag training keeps (phase ends are never "
+                                          f"pruned), or run again")
+                continue
+            if not _same_file(path, fd):  # a reader leaving removed the file after we opened it: lock the new one
+                continue
+            try:
+                yield resolved
+            finally:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other reader: tidy up
+                    path.unlink(missing_ok=True)
+                except BlockingIOError:
+                    pass
+            return
+        finally:
+            os.close(fd)
+    raise CheckpointError(f"{ckpt_dir}: the newest tag kept being pruned while it was being opened; run again")
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False

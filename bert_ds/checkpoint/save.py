@@ -16,6 +16,7 @@ changes between save and resume (:mod:`bert_ds.checkpoint.restore`). Durability 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_ds.checkpoint.integrity import file_digest, files_of_rank, gather_digests
 from bert_ds.checkpoint.layout import (
     RUN_STATE_NAME,
     CheckpointSaveError,
@@ -38,9 +40,11 @@ from bert_ds.checkpoint.layout import (
     remove_debris,
     rng_file,
 )
-from bert_ds.checkpoint.lock import bytes_needed
+from bert_ds.checkpoint.lock import bytes_needed, try_exclusive_tag
 
 __all__ = ["prune_checkpoints", "save_checkpoint", "save_rng_state"]
+
+log = logging.getLogger("bert_ds.checkpoint")
 
 def save_rng_state(path: Path) -> None:
     """This rank's Python, NumPy, torch CPU and (with CUDA) every CUDA device's generator state, in types
@@ -54,17 +58,25 @@ def save_rng_state(path: Path) -> None:
 _RANK_IN_NAME = re.compile(r"(?:pp_rank_|rng_rank)(\d+)")
 
 
-def _fsync_own_files(tag_dir: Path, rank: int) -> None:
-    """fsync the files this rank wrote (``zero_pp_rank_<r>_*``, ``rng_rank<r>``; rank 0 also the rest, e.g.
-    ``mp_rank_00_model_states.pt``): on a shared filesystem only the writer's fsync flushes its client cache."""
-    for f in tag_dir.iterdir():
-        m = _RANK_IN_NAME.search(f.name)
-        if f.is_file() and (int(m.group(1)) == rank if m else rank == 0):
-            _fsync(f)
+def _writer_of(name: str) -> int:
+    """The rank that wrote a tag's file: ``[bf16_]zero_pp_rank_<r>_*`` and ``rng_rank<r>`` are rank r's, the rest (e.g.
+    ``mp_rank_00_model_states.pt``) rank 0's."""
+    m = _RANK_IN_NAME.search(name)
+    return int(m.group(1)) if m else 0
 
 
-def _write_tag(engine, ckpt: Path, tmp_tag: str, tag: str, run_state: dict, rank: int) -> Exception | None:
-    """Everything that needs disk space, on this rank; returns the error instead of raising so all ranks can agree."""
+def _sync_and_hash_own_files(tag_dir: Path, rank: int) -> dict[str, dict]:
+    """fsync the files this rank wrote (on a shared filesystem only the writer's fsync flushes its client cache), then
+    hash them (:mod:`bert_ds.checkpoint.integrity`): each rank reads back only its own share."""
+    own = files_of_rank(tag_dir, rank, _writer_of)
+    for f in own:
+        _fsync(f)
+    return {f.name: file_digest(f) for f in own}
+
+
+def _write_tag(engine, ckpt: Path, tmp_tag: str, run_state: dict, rank: int) -> tuple[Exception | None, dict]:
+    """Everything this rank writes, and the digests of its files; returns the error instead of raising so all ranks
+    can agree."""
     import deepspeed.comm as dist
 
     try:
@@ -73,14 +85,21 @@ def _write_tag(engine, ckpt: Path, tmp_tag: str, tag: str, run_state: dict, rank
         # DeepSpeed 0.19 (runtime/engine.py save_checkpoint) writes every file between its tag-validation all-reduce
         # and one closing barrier, where the other ranks now wait: stand in for it before agreeing.
         dist.barrier()
-        return exc
+        return exc, {}
     try:
         save_rng_state(rng_file(ckpt / tmp_tag, rank))
-        _fsync_own_files(ckpt / tmp_tag, rank)
-        if rank == 0:
-            _write_synced(ckpt / tmp_tag / RUN_STATE_NAME, json.dumps(run_state, indent=1) + "\n")
-            _fsync(ckpt / tmp_tag)
-            _write_synced(ckpt / ".latest.tmp", tag)  # the pointer's bytes need space too: written before agreeing
+        return None, _sync_and_hash_own_files(ckpt / tmp_tag, rank)
+    except (OSError, RuntimeError) as exc:
+        return exc, {}
+
+
+def _write_metadata(ckpt: Path, tmp_tag: str, tag: str, run_state: dict, digests: dict) -> Exception | None:
+    """Rank 0, every rank's files on disk: ``run_state.json`` with every file's digest (its presence makes the tag
+    complete), fsynced with the directory, and the new ``latest`` pointer's bytes (they need space too)."""
+    try:
+        _write_synced(ckpt / tmp_tag / RUN_STATE_NAME, json.dumps({**run_state, "files": digests}, indent=1) + "\n")
+        _fsync(ckpt / tmp_tag)
+        _write_synced(ckpt / ".latest.tmp", tag)
     except (OSError, RuntimeError) as exc:
         return exc
     return None
@@ -116,8 +135,9 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
 
     DeepSpeed writes its files into a fresh ``<tag>.tmp`` directory with ``save_latest=False`` (a tag directory left
     by an earlier, possibly larger, run would otherwise keep its extra ``zero_pp_rank_*`` files and break
-    consolidation); each rank adds its RNG state and fsyncs its files; rank 0 adds ``run_state.json``. All ranks then
-    agree whether every write succeeded: if not, the partial ``<tag>.tmp`` is removed and every rank raises
+    consolidation); each rank adds its RNG state, fsyncs and hashes its files; rank 0 gathers the digests and writes
+    ``run_state.json`` holding them (:mod:`bert_ds.checkpoint.integrity`). All ranks agree whether every write
+    succeeded: if not, the partial ``<tag>.tmp`` is removed and every rank raises
     :class:`CheckpointSaveError` (``latest`` and the older tags untouched). Otherwise rank 0 renames the directory to
     ``tag`` (replacing an older one) and then moves ``latest``, so a crash at any point leaves ``latest`` naming a
     complete checkpoint. Older tags beyond ``keep_last_k`` (phase ends excepted) are pruned afterwards.
@@ -130,7 +150,11 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
     if rank == 0:
         remove_debris(ckpt)
     dist.barrier()
-    error = _write_tag(engine, ckpt, tmp_tag, tag, run_state, rank)
+    error, own = _write_tag(engine, ckpt, tmp_tag, run_state, rank)
+    if not _any_rank(error is not None):
+        digests = gather_digests(own)
+        if rank == 0:
+            error = _write_metadata(ckpt, tmp_tag, tag, run_state, digests)
     if _any_rank(error is not None):
         if rank == 0:
             shutil.rmtree(ckpt / tmp_tag, ignore_errors=True)
@@ -152,17 +176,28 @@ def _phase_done(ckpt_dir: Path, tag: str) -> bool:
 
 
 def prune_checkpoints(ckpt_dir: str | Path, keep_last_k: int) -> list[str]:
-    """Delete all but the newest ``keep_last_k`` tags; never the one ``latest`` names, never a phase's final
-    checkpoint (``phase_done``: the hand-off point and the export a user wants from that phase). A tag is renamed to
-    ``.<tag>.deleting`` before it is deleted, so a kill mid-way leaves debris :func:`remove_debris` recognises, not a
-    half-deleted tag. Returns the deleted tags."""
+    """Delete all but the newest ``keep_last_k`` tags; never the one ``latest`` names (the newest tag whose save
+    completed and was hashed: so never the last intact tag), never a phase's final checkpoint (``phase_done``: the
+    hand-off point and the export a user wants from that phase), never a tag newer than ``latest`` (left by a run that
+    resumed from an older tag because that one was damaged: it is replaced when training reaches it again, and does not
+    count against ``keep_last_k``), and never a tag a reader holds (:func:`bert_ds.checkpoint.lock.reading_tag`: the
+    converter or evaluation; it is pruned at a later save). A tag is renamed to ``.<tag>.deleting`` before it is
+    deleted, so a kill mid-way leaves debris :func:`remove_debris` recognises, not a half-deleted tag. Returns the
+    deleted tags."""
     ckpt_dir = Path(ckpt_dir)
     tags = list_tags(ckpt_dir)
     latest = read_latest(ckpt_dir)
+    if latest in tags:
+        tags = tags[:tags.index(latest) + 1]  # newer ones: see the docstring
     keep = set(tags[-max(keep_last_k, 1):]) | {latest} | {t for t in tags if _phase_done(ckpt_dir, t)}
-    deleted = [t for t in tags if t not in keep]
-    for tag in deleted:
-        doomed = ckpt_dir / f".{tag}.deleting"
-        os.replace(ckpt_dir / tag, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+    deleted = []
+    for tag in (t for t in tags if t not in keep):
+        with try_exclusive_tag(ckpt_dir, tag) as free:
+            if not free:
+                log.info("%s: not pruned now, a reader (converter/evaluation) holds it", ckpt_dir / tag)
+                continue
+            doomed = ckpt_dir / f".{tag}.deleting"
+            os.replace(ckpt_dir / tag, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            deleted.append(tag)
     return deleted

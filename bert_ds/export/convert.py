@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint
+from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
 from bert_ds.config import BertConfig
 from bert_ds.data.tokenizer import WordPieceTokenizer
 from bert_ds.export.hf import HF_ARCHITECTURE, export_model, load_training_tokenizer
@@ -43,7 +43,9 @@ class VerificationError(RuntimeError):
 
 
 def find_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> CheckpointRef:
-    """Resolve the tag (``latest`` unless given) and check everything the export needs is there."""
+    """Resolve the tag (``latest`` unless given) and check everything the export needs is there: the tokenizer beside
+    the tags is the one the tag was trained with (vocabulary sha256 and casing) and every file of the tag matches the
+    checksum recorded at save (:func:`bert_ds.checkpoint.open_checkpoint`)."""
     try:
         return open_checkpoint(checkpoint_dir, tag)
     except CheckpointError as exc:
@@ -164,8 +166,14 @@ def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tag: str
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir}: already exists and is not an empty directory; choose another --out")
-    ref = find_checkpoint(checkpoint_dir, tag)
-    state = consolidate_checkpoint(ref)
+    try:
+        # Held against pruning while it is read: a training run still writing this directory skips the tag at its
+        # next prune instead of deleting it under the converter.
+        with reading_tag(checkpoint_dir, tag) as held:
+            ref = find_checkpoint(checkpoint_dir, held)  # tokenizer/ is what the tag learned; checksums verified
+            state = consolidate_checkpoint(ref)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

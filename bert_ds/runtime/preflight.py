@@ -3,7 +3,13 @@
 ``plan_run`` reads the recipe, the command line, the tokenizer, every shard set's ``index.json`` and the run
 directory's newest checkpoint, and either raises one ``ValueError`` naming the culprit (exit 2, nothing computed or
 written) or returns a :class:`RunPlan`: which phases to run, where their data is, the model config, and where to
-start (fresh, mid-phase resume, or a phase hand-off).
+start (fresh, mid-phase resume, or a phase hand-off). Nothing under ``--output`` is written here; the run takes its
+lock and writes its metadata only after the plan exists, so a refused run leaves the run directory byte for byte as
+it was. Resume checks: the recipe (``resume_blockers``), the vocabulary (sha256, size) and casing the tag was trained
+with, the model config beside the tags, the loader's sample stream, and the tag's checksums
+(:mod:`bert_ds.checkpoint.integrity`). A tag whose files fail their checksums is skipped with a loud warning naming the
+damaged file, and the run resumes from the newest intact tag before it (the steps after it are trained again); with
+no intact tag left the run is refused.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class RunPlan:
     start: StartPoint
     nothing_to_do: str | None
     """Why the run has nothing left to do (then ``start`` is not run), or None."""
+    lowercase: bool = True
+    """The tokenizer's casing (:func:`bert_ds.data.tokenizer.read_lowercase`); every shard set and tag must agree."""
 
     @property
     def loader_verify(self) -> str:
@@ -165,7 +173,7 @@ def _model_config(args: argparse.Namespace, recipe: Recipe, vocab_size: int) -> 
 
 
 def _check_shards(recipe: Recipe, phases: list[int], dirs_by_flag: dict[str, dict[int, str]], world_size: int,
-                  vocab_sha256: str, vocab_size: int, verify_level: str) -> None:
+                  vocab_sha256: str, vocab_size: int, verify_level: str, lowercase: bool, tokenizer_dir: str) -> None:
     """Batch sizes divide for this rank count; every shard set matches its phase and the tokenizer, and passes the
     ``--verify-shards`` level."""
     from bert_ds.data.index import ShardIndex
@@ -180,12 +188,21 @@ def _check_shards(recipe: Recipe, phases: list[int], dirs_by_flag: dict[str, dic
             index = ShardIndex.load(dirs[p])
             index.check_compatible(seq_len=phase.seq_len, vocab_sha256=vocab_sha256, vocab_size=vocab_size,
                                    where=f"{flag} {dirs[p]} (phases[{p}])")
+            if index.lowercase != lowercase:  # same vocab.txt, other casing: capitalised words would become [UNK]
+                raise ValueError(f"{flag} {dirs[p]}/index.json: field 'lowercase' is {index.lowercase} "
+                                 f"({_casing(index.lowercase)}) but --tokenizer {tokenizer_dir} is "
+                                 f"{_casing(lowercase)} (lowercase={lowercase}); use the tokenizer the shards were "
+                                 f"made with")
             shard_preds = index.masking.get("max_predictions")
             if not phase.dynamic_masking and shard_preds is not None and shard_preds > phase.max_predictions:
                 raise ValueError(f"{flag} {dirs[p]}/index.json: field 'masking.max_predictions' is {shard_preds} "
                                  f"but phases[{p}].max_predictions is {phase.max_predictions}")
             if verify_level != "none":
                 verify_shard_set(dirs[p], verify_level).raise_for_errors()
+
+
+def _casing(lowercase: bool) -> str:
+    return "uncased" if lowercase else "cased"
 
 
 def _fresh_start(args: argparse.Namespace, phases: list[int], ckpt_dir: Path) -> StartPoint:
@@ -198,22 +215,117 @@ def _fresh_start(args: argparse.Namespace, phases: list[int], ckpt_dir: Path) ->
     return StartPoint(phase=phases[0], step=0, tag=None, handoff=False)
 
 
-def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ckpt_dir: Path) -> StartPoint:
-    """Where the run starts: fresh, inside the newest checkpoint's phase, or at the next phase after it."""
+def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ckpt_dir: Path,
+                 tokenizer, model_config: BertConfig, rank: int, world_size: int) -> StartPoint:
+    """Where the run starts: fresh, inside the newest intact checkpoint's phase, or at the next phase after it."""
     tag = ckpt.read_latest(ckpt_dir) if ckpt_dir.is_dir() else None
     if args.resume == "none" and tag is not None:
         raise ValueError(f"{ckpt_dir} already holds checkpoint {tag!r}: pass --resume auto to continue it, or choose "
                          f"a new --output")
     if tag is None:
         return _fresh_start(args, phases, ckpt_dir)
+    _check_run_matches(ckpt_dir, tag, args, tokenizer, model_config)
+    tag = _newest_intact(ckpt_dir, tag, rank, world_size)
     state = ckpt.read_run_state(ckpt_dir, tag)
     blockers = resume_blockers(state["recipe"], recipe)
     if blockers:
         raise ValueError(f"--resume auto: checkpoint {tag!r} was made with a different recipe; field(s) "
                          f"{blockers} differ from {args.recipe}. Use a new --output or the original recipe.")
+    _check_run_matches(ckpt_dir, tag, args, tokenizer, model_config)
+    if state.get("zero_stage") == 0 and int(state["world_size"]) != world_size:
+        raise ValueError(f"--resume auto: checkpoint {tag!r} was written by {state['world_size']} ranks without ZeRO "
+                         f"partitions of its own; resume it on {state['world_size']} ranks or use ZeRO stage 1/2")
     if state["phase_done"]:
         return StartPoint(phase=state["phase"] + 1, step=0, tag=tag, handoff=True)
     return StartPoint(phase=state["phase"], step=state["step"], tag=tag, handoff=False)
+
+
+def _check_run_matches(ckpt_dir: Path, tag: str, args: argparse.Namespace, tokenizer, model_config: BertConfig) -> None:
+    """The tokenizer (vocabulary sha256, size, casing) and model config of this run are those ``tag`` was trained
+    with: what the tag recorded (bert_ds >= issue 16), else the tokenizer copy and ``model_config.json`` beside it."""
+    from bert_ds.data.tokenizer import read_lowercase, vocab_sha256
+
+    state = ckpt.read_run_state(ckpt_dir, tag)
+    where = f"--resume auto: checkpoint {ckpt_dir / tag}"
+    saved_tok = ckpt_dir / ckpt.TOKENIZER_DIR_NAME
+    saved_sha = state.get("vocab_sha256")
+    if saved_sha is None and (saved_tok / "vocab.txt").is_file():
+        saved_sha = vocab_sha256(saved_tok / "vocab.txt")
+    if saved_sha is not None and saved_sha != tokenizer.vocab_sha256:
+        raise ValueError(f"{where} was trained with vocabulary sha256 {saved_sha[:16]}... but --tokenizer "
+                         f"{args.tokenizer} has {tokenizer.vocab_sha256[:16]}...: resuming would train the old "
+                         f"weights on other token ids. Use the original tokenizer or a new --output")
+    saved_lower = state.get("lowercase")
+    if saved_lower is None and (saved_tok / "vocab.txt").is_file():
+        saved_lower = read_lowercase(saved_tok)
+    if saved_lower is not None and saved_lower != tokenizer.lowercase:
+        raise ValueError(f"{where} was trained {_casing(saved_lower)} (lowercase={saved_lower}) but --tokenizer "
+                         f"{args.tokenizer} is {_casing(tokenizer.lowercase)}. Use the original tokenizer or a new "
+                         f"--output")
+    if (ckpt_dir / ckpt.MODEL_CONFIG_NAME).is_file():
+        saved_cfg = ckpt.read_model_config(ckpt_dir).to_dict()
+        differ = sorted(k for k in set(saved_cfg) | set(model_config.to_dict())
+                        if saved_cfg.get(k) != model_config.to_dict().get(k))
+        if differ:
+            field = differ[0]
+            raise ValueError(f"{where}: {ckpt_dir / ckpt.MODEL_CONFIG_NAME} field {field!r} is "
+                             f"{saved_cfg.get(field)!r} but this run's model has {model_config.to_dict().get(field)!r}"
+                             f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
+
+
+def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> str:
+    """``latest`` if its files match their checksums, else the newest older tag that does (logged loudly, on rank 0);
+    the ranks share the hashing and agree. ValueError naming the damage when no tag is intact."""
+    from bert_ds.checkpoint.integrity import verify_tag
+
+    tags = ckpt.list_tags(ckpt_dir)
+    candidates = [latest] + [t for t in reversed(tags) if ckpt.parse_tag(t) < ckpt.parse_tag(latest)]
+    skipped = []
+    for tag in candidates:
+        damage = _gather_lines(verify_tag(ckpt_dir / tag, rank, world_size))
+        if not damage:
+            if skipped and rank == 0:
+                log.warning("=" * 100)
+                log.warning("RESUMING FROM AN OLDER CHECKPOINT: %s is damaged (%s); resuming from %s, the newest "
+                            "intact tag: the steps after it are trained again", skipped[0][0], skipped[0][1], tag)
+                for name, line in skipped[1:]:
+                    log.warning("also damaged, skipped: %s (%s)", name, line)
+                log.warning("=" * 100)
+            return tag
+        skipped.append((tag, damage[0] + (f" and {len(damage) - 1} more file(s)" if len(damage) > 1 else "")))
+    raise ValueError(f"--resume auto: checkpoint {skipped[0][0]} is damaged: {skipped[0][1]}; no older intact tag in "
+                     f"{ckpt_dir} to fall back to")
+
+
+def _gather_lines(lines: list[str]) -> list[str]:
+    """Every rank's damage lines, on every rank (each rank verified its share of the files)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return lines
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, lines)
+    return [line for part in parts for line in part]
+
+
+def _check_loader_state(plan: RunPlan) -> None:
+    """A mid-phase resume continues the saved sample stream: the loader refuses another shard set, seed or batch
+    layout; asked here, before the run writes anything (a loader without worker processes reads only index.json)."""
+    from bert_ds.data.loader import build_loader
+
+    start = plan.start
+    if start.tag is None or start.handoff or start.phase not in plan.data:
+        return
+    phase = plan.recipe.phases[start.phase]
+    loader = build_loader(plan.data[start.phase], global_batch_size=phase.global_batch_size,
+                          micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
+                          seed=plan.recipe.seed + start.phase, num_workers=0, expected_seq_len=phase.seq_len,
+                          expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
+                          shuffle_window_shards=phase.shuffle_window_shards, verify="size")
+    try:
+        loader.load_state_dict(ckpt.read_run_state(plan.ckpt_dir, start.tag)["loader"])
+    except ValueError as exc:
+        raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}") from exc
 
 
 def _nothing_to_do(plan: RunPlan) -> str | None:
@@ -250,13 +362,16 @@ def plan_run(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: in
     check_optimizer_support(recipe, precision)  # refusals name the recipe fields
     model_config = _model_config(args, recipe, tokenizer.vocab_size)
     _check_shards(recipe, phases, {"--data": data, "--eval-data": eval_data}, world_size, tokenizer.vocab_sha256,
-                  tokenizer.vocab_size, args.verify_shards)
+                  tokenizer.vocab_size, args.verify_shards, tokenizer.lowercase, args.tokenizer)
     run_dir = Path(args.output)
-    start = _start_point(args, recipe, phases, ckpt.checkpoint_dir(run_dir))
+    start = _start_point(args, recipe, phases, ckpt.checkpoint_dir(run_dir), tokenizer, model_config, rank,
+                         world_size)
     plan = RunPlan(args=args, recipe=recipe, rank=rank, world_size=world_size, run_dir=run_dir, phases=phases,
                    data=data, eval_data=eval_data, vocab_sha256=tokenizer.vocab_sha256, model_config=model_config,
-                   precision=precision, start=start, nothing_to_do=None)
+                   precision=precision, start=start, nothing_to_do=None, lowercase=tokenizer.lowercase)
     plan.nothing_to_do = _nothing_to_do(plan)
+    if plan.nothing_to_do is None:
+        _check_loader_state(plan)
     if rank == 0:
         for warning in cache_dir_warnings():
             log.warning(warning)

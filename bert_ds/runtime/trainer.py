@@ -274,7 +274,8 @@ def _save(plan: RunPlan, ph: _Phase, metrics, done: bool) -> None:
     state = {"recipe": recipe.to_dict(), "phase": ph.index, "step": ph.step, "phase_done": done,
              "global_step": plan.first_step_of(ph.index) + ph.step, "consumed_samples": ph.consumed,
              "loader": ph.loader.state_dict(), "world_size": plan.world_size,
-             "zero_stage": recipe.deepspeed.zero_stage, "precision": ph.te.precision}
+             "zero_stage": recipe.deepspeed.zero_stage, "precision": ph.te.precision,
+             "vocab_sha256": plan.vocab_sha256, "lowercase": plan.lowercase}  # the converter checks tokenizer/
     tag = ckpt.tag_for(ph.index, ph.step)
     ckpt.save_checkpoint(ph.te.engine, plan.run_dir, tag, state, recipe.logging.keep_last_k)
     ph.last_good = tag

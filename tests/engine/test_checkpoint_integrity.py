@@ -50,3 +50,80 @@ def test_bf16_zero2_resumes_exactly_and_on_another_rank_count(synthetic_data, tm
     for tag in ("phase1-step000004", "phase2-step000002"):
         d = param_diffs(weights(moved, tag), weights(straight, tag))
         assert d["tensor_rel"] <= 1e-3 and d["global_rel"] <= 1e-4, f"{tag} bf16 resumed 2 -> 1 ranks: {d}"
+
+
+# ---- checksums and readers, on a run directory laid out by hand (no ranks) -----------------------------------------
+
+def _fake_tag(ckpt_dir, tag, files: dict[str, bytes], record: bool = True):
+    from bert_ds.checkpoint.integrity import file_digest
+
+    tag_dir = ckpt_dir / tag
+    tag_dir.mkdir(parents=True)
+    for name, data in files.items():
+        (tag_dir / name).write_bytes(data)
+    state = {"phase": 0, "step": int(tag[-6:]), "phase_done": False}
+    if record:
+        state["files"] = {name: file_digest(tag_dir / name) for name in files}
+    (tag_dir / "run_state.json").write_text(json.dumps(state))
+    return tag_dir
+
+
+def test_verify_tag_names_each_kind_of_damage(tmp_path):
+    from bert_ds.checkpoint import DamagedCheckpointError, check_tag, verify_tag
+
+    files = {"mp_rank_00_model_states.pt": bytes(range(256)) * 64, "zero_pp_rank_0_mp_rank_00_optim_states.pt":
+             b"\x01" * 5000, "rng_rank00000.pt": b"rng"}
+    tag_dir = _fake_tag(tmp_path, "phase1-step000002", files)
+    assert verify_tag(tag_dir) == []
+    check_tag(tag_dir)
+    data = bytearray(files["zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+    data[2500] ^= 0x40
+    (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(bytes(data))
+    with open(tag_dir / "mp_rank_00_model_states.pt", "r+b") as f:
+        f.truncate(100)
+    (tag_dir / "rng_rank00000.pt").unlink()
+    (tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"stray")
+    damage = verify_tag(tag_dir)
+    assert len(damage) == 4, damage
+    assert any("zero_pp_rank_1_mp_rank_00_optim_states.pt: not in the checksums recorded" in d for d in damage)
+    assert any("mp_rank_00_model_states.pt: 100 bytes, 16384 recorded at save" in d for d in damage)
+    assert any("rng_rank00000.pt: missing" in d for d in damage)
+    assert any("zero_pp_rank_0_mp_rank_00_optim_states.pt: sha256" in d for d in damage)
+    # two ranks share the reading: together they find the same damage
+    shared = verify_tag(tag_dir, 0, 2) + verify_tag(tag_dir, 1, 2)
+    assert sorted(shared) == sorted(damage)
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint phase1-step000002 is damaged: .* \(and 3 more\)"):
+        check_tag(tag_dir)
+    # a tag saved before checksums existed is accepted (with a warning)
+    assert verify_tag(_fake_tag(tmp_path, "phase1-step000004", files, record=False)) == []
+
+
+def test_prune_skips_a_tag_a_reader_holds_and_tags_newer_than_latest(tmp_path):
+    from bert_ds.checkpoint import list_tags, prune_checkpoints, reading_tag
+
+    for step in (1, 2, 3, 4, 9):
+        _fake_tag(tmp_path, f"phase1-step{step:06d}", {"f.pt": b"x"})
+    (tmp_path / "latest").write_text("phase1-step000004")  # 9: left by a run that fell back to an older tag
+    with reading_tag(tmp_path, "phase1-step000001") as held:
+        assert held == "phase1-step000001"
+        assert prune_checkpoints(tmp_path, keep_last_k=1) == ["phase1-step000002", "phase1-step000003"]
+        assert list_tags(tmp_path) == ["phase1-step000001", "phase1-step000004", "phase1-step000009"]
+    assert not (tmp_path / ".phase1-step000001.readers").exists()  # the last reader out tidies up
+    assert prune_checkpoints(tmp_path, keep_last_k=1) == ["phase1-step000001"]
+    assert list_tags(tmp_path) == ["phase1-step000004", "phase1-step000009"]
+
+
+def test_reader_of_a_pruned_tag_fails_in_one_line(tmp_path):
+    from bert_ds.checkpoint import CheckpointError, reading_tag
+    from bert_ds.checkpoint.lock import try_exclusive_tag
+
+    _fake_tag(tmp_path, "phase1-step000001", {"f.pt": b"x"})
+    (tmp_path / "latest").write_text("phase1-step000001")
+    with try_exclusive_tag(tmp_path, "phase1-step000001") as free:  # a prune holding it: the reader must not open it
+        assert free
+        import shutil
+
+        shutil.rmtree(tmp_path / "phase1-step000001")
+    with pytest.raises(CheckpointError, match=r"phase1-step000001.*not found|pruned"):
+        with reading_tag(tmp_path, "phase1-step000001"):
+            pass

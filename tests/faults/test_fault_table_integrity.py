@@ -1,0 +1,388 @@
+"""Fault-table rows of issue 16 items 1, 2, 3 and 7 (the converter racing a prune): a refused resume leaves the run
+directory byte for byte as it was, tokenizer / shards / checkpoint / export agree on vocabulary *and* casing, damaged
+checkpoints are named (and resume falls back to the newest intact tag), and a reader holds its tag against pruning.
+
+Same harness and recipe as ``tests/faults/test_fault_table.py`` (``tests.helpers.faults``): real DeepSpeed CPU ranks,
+the shipped ``ds_configs/tiny_cpu.json`` (dropout 0.1, ZeRO-2, LAMB) cut to 6 + 2 steps, the session's English corpus;
+``BERT_DS_FAULT_REPORT=table.md`` appends each row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_ds import checkpoint as ckpt
+from tests.helpers.faults import (
+    ERROR_LINE,
+    FINAL_TAG,
+    PHASE1_END,
+    Launch,
+    Outcome,
+    execute,
+    fault_recipe,
+    report_row,
+    tool_cmd,
+)
+from tests.helpers.ranks import rank_command
+from tests.helpers.runs import weights
+
+pytestmark = pytest.mark.slow
+
+WARNING_LINE = r"RESUMING FROM AN OLDER CHECKPOINT"
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    request: pytest.FixtureRequest
+    s128: Path
+    s512: Path
+    tokenizer: Path
+    culprit: str = ""
+    snapshot: dict | None = None
+    """Every file of the run directory (path -> sha256) as it was before the command."""
+    held: contextlib.ExitStack | None = None
+
+    @property
+    def run(self) -> Path:
+        return self.tmp / "run"
+
+    @property
+    def recipe(self) -> Path:
+        path = self.tmp / "recipe.json"
+        return path if path.exists() else fault_recipe(path)
+
+    def args(self, *extra: str, data: tuple[Path, ...] | None = None, tokenizer: Path | None = None) -> list[str]:
+        data = data or (self.s128, self.s512)
+        return ["--recipe", str(self.recipe), "--data", *map(str, data), "--tokenizer", str(tokenizer or
+                self.tokenizer), "--output", str(self.run), *extra]
+
+    def copy_run(self, fixture: str = "trained_run") -> Path:
+        shutil.copytree(self.request.getfixturevalue(fixture), self.run)
+        self.snapshot = tree_bytes(self.run)
+        return self.run
+
+    def convert(self, tag: str | None = None) -> Launch:
+        return Launch(tool_cmd("convert_checkpoint.py", ["--checkpoint", str(self.run / "checkpoints"), "--out",
+                                                         str(self.tmp / "hf"), *(["--tag", tag] if tag else [])]))
+
+
+def tree_bytes(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256 of its content): the list and the bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _unchanged(ctx: Ctx, out: Outcome) -> str:
+    after = tree_bytes(ctx.run)
+    assert after == ctx.snapshot, {k: (ctx.snapshot.get(k), after.get(k)) for k in set(after) | set(ctx.snapshot)
+                                   if ctx.snapshot.get(k) != after.get(k)}
+    return f"nothing: all {len(after)} files of the run directory byte-identical, no file added or removed"
+
+
+def _nothing_written(ctx: Ctx, out: Outcome) -> str:
+    assert not ctx.run.exists(), sorted(p.name for p in ctx.run.rglob("*"))
+    return "nothing: refused before compute, --output not created"
+
+
+def _no_export(ctx: Ctx, out: Outcome) -> str:
+    assert not (ctx.tmp / "hf").exists() and not list(ctx.tmp.glob(".hf.tmp-*"))
+    return _unchanged(ctx, out) + "; no HF directory written"
+
+
+# ---- other tokenizers ---------------------------------------------------------------------------------------------
+
+def _swapped_vocab_tokenizer(ctx: Ctx, meta: dict | None = None) -> Path:
+    """The session tokenizer with two ordinary tokens swapped: same size, another vocabulary (other ids)."""
+    out = ctx.tmp / "tokenizer2"
+    shutil.copytree(ctx.tokenizer, out)
+    lines = (out / "vocab.txt").read_text().splitlines()
+    lines[200], lines[201] = lines[201], lines[200]
+    (out / "vocab.txt").write_text("\n".join(lines) + "\n")
+    if meta is not None:
+        (out / "tokenizer_meta.json").write_text(json.dumps(meta) + "\n")
+    return out
+
+
+def _relabelled_shards(ctx: Ctx, which: str, **fields) -> Path:
+    """A copy of a shard set whose index.json claims ``fields`` (e.g. made with another tokenizer): the index is what
+    pre-flight and the loader compare."""
+    dst = ctx.tmp / f"{which}-relabelled"
+    shutil.copytree(getattr(ctx, which), dst)
+    index = json.loads((dst / "index.json").read_text())
+    index.update(fields)
+    (dst / "index.json").write_text(json.dumps(index, indent=1))
+    return dst
+
+
+def resume_other_tokenizer(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    from bert_ds.data.tokenizer import vocab_sha256
+
+    tok = _swapped_vocab_tokenizer(ctx)
+    sha = vocab_sha256(tok / "vocab.txt")
+    data = (_relabelled_shards(ctx, "s128", vocab_sha256=sha), _relabelled_shards(ctx, "s512", vocab_sha256=sha))
+    return Launch(rank_command(2, ctx.args("--resume", "auto", data=data, tokenizer=tok)))
+
+
+def check_resume_other_tokenizer(ctx: Ctx, out: Outcome) -> str:
+    lost = _unchanged(ctx, out)
+    export = execute(ctx.convert())
+    assert export.returncode == 0, export.text()[-3000:]
+    hf_vocab = (ctx.tmp / "hf" / "vocab.txt").read_bytes()
+    assert hf_vocab == (ctx.tokenizer / "vocab.txt").read_bytes(), "the export carries another vocabulary"
+    return lost + "; the run then exports (exit 0) with its own vocabulary"
+
+
+def resume_cased_tokenizer(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    tok = ctx.tmp / "cased"
+    shutil.copytree(ctx.tokenizer, tok)
+    (tok / "tokenizer_meta.json").write_text('{"lowercase": false}\n')
+    data = (_relabelled_shards(ctx, "s128", lowercase=False), _relabelled_shards(ctx, "s512", lowercase=False))
+    return Launch(rank_command(2, ctx.args("--resume", "auto", data=data, tokenizer=tok)))
+
+
+def fresh_cased_tokenizer_uncased_shards(ctx: Ctx) -> Launch:
+    tok = ctx.tmp / "cased"
+    shutil.copytree(ctx.tokenizer, tok)
+    (tok / "tokenizer_meta.json").write_text('{"lowercase": false}\n')
+    ctx.culprit = str(ctx.s128 / "index.json")
+    return Launch(rank_command(2, ctx.args(tokenizer=tok)))
+
+
+def resume_other_shard_set(ctx: Ctx) -> Launch:
+    """Same tokenizer, another phase-1 shard set (another seed): the loader state would not continue the stream."""
+    ctx.copy_run()
+    other = ctx.request.getfixturevalue("other_shards_128")
+    return Launch(rank_command(2, ctx.args("--resume", "auto", data=(other, ctx.s512))))
+
+
+def convert_rewritten_tokenizer(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    swapped = _swapped_vocab_tokenizer(ctx)
+    shutil.copyfile(swapped / "vocab.txt", ctx.run / "checkpoints" / "tokenizer" / "vocab.txt")
+    ctx.snapshot = tree_bytes(ctx.run)
+    return ctx.convert()
+
+
+def convert_recased_tokenizer(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    (ctx.run / "checkpoints" / "tokenizer" / "tokenizer_meta.json").write_text('{"lowercase": false}\n')
+    ctx.snapshot = tree_bytes(ctx.run)
+    return ctx.convert()
+
+
+# ---- damaged checkpoints ------------------------------------------------------------------------------------------
+
+def flip_master_weight_byte(zero_file: Path) -> None:
+    """Flip one byte inside the fp32 master weights (``single_partition_of_fp32_groups``) of a ZeRO optimizer file,
+    found by their bytes in the file (torch stores each tensor's storage uncompressed)."""
+    state = torch.load(zero_file, weights_only=False)  # our own, trusted file
+    master = state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    raw = master.contiguous().numpy().tobytes()
+    data = bytearray(zero_file.read_bytes())
+    at = data.find(raw[:256])
+    assert at >= 0 and data.count(raw[:256]) == 1, "master weights not found once in the file"
+    data[at + len(raw) // 2] ^= 0x40  # an exponent bit of some weight: a large, silent change
+    zero_file.write_bytes(bytes(data))
+
+
+def _tag_file(ctx: Ctx, tag: str, name: str) -> Path:
+    return ctx.run / "checkpoints" / tag / name
+
+
+def flipped_master_resume(ctx: Ctx) -> Launch:
+    ctx.copy_run("trained_run_4")
+    target = _tag_file(ctx, "phase1-step000004", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    flip_master_weight_byte(target)
+    ctx.culprit = str(target)
+    return Launch(rank_command(2, ctx.args("--resume", "auto")))
+
+
+def check_flipped_master_resume(ctx: Ctx, out: Outcome) -> str:
+    assert re.search(r"resuming from phase1-step000002", out.text()), out.text()[-3000:]
+    for tag in (PHASE1_END, FINAL_TAG):
+        got, want = weights(ctx.run, tag), weights(ctx.request.getfixturevalue("reference_run"), tag)
+        differ = [name for name in want if not torch.equal(got[name], want[name])]
+        assert not differ, f"{tag}: {len(differ)} tensors differ from the uninterrupted run"
+    assert ckpt.read_latest(ctx.run / "checkpoints") == FINAL_TAG
+    return (f"steps 3-4 trained again from phase1-step000002 (the damaged phase1-step000004 replaced); {PHASE1_END} "
+            f"and {FINAL_TAG} bit-identical to the uninterrupted run (dropout 0.1)")
+
+
+def flipped_master_convert(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    target = _tag_file(ctx, "phase1-step000002", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    flip_master_weight_byte(target)
+    ctx.culprit = str(target)
+    ctx.snapshot = tree_bytes(ctx.run)
+    return ctx.convert()
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def truncated_model_states_resume(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    target = _tag_file(ctx, "phase1-step000002", "mp_rank_00_model_states.pt")
+    _truncate(target)
+    ctx.culprit = str(target)
+    ctx.snapshot = tree_bytes(ctx.run)
+    return Launch(rank_command(2, ctx.args("--resume", "auto")))
+
+
+def truncated_model_states_evaluate(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    target = _tag_file(ctx, "phase1-step000002", "mp_rank_00_model_states.pt")
+    _truncate(target)
+    ctx.culprit = str(target)
+    ctx.snapshot = tree_bytes(ctx.run)
+    return Launch(tool_cmd("evaluate.py", ["--checkpoint", str(ctx.run / "checkpoints"), "--data", str(ctx.s128),
+                                           "--max-batches", "1"]))
+
+
+# ---- item 7: a reader against pruning -------------------------------------------------------------------------------
+
+def convert_while_training_prunes(ctx: Ctx) -> Launch:
+    """Training resumes with keep_last_k 1 and a checkpoint every step, so its first save would prune
+    phase1-step000002, while a reader holds that tag (the converter's own lock, :func:`bert_ds.checkpoint.reading_tag`,
+    taken here so the timing is certain); the converter then exports that very tag."""
+    ctx.copy_run()
+    fault_recipe(ctx.tmp / "recipe.json", **{"logging.keep_last_k": 1, "phases.0.checkpoint_interval": 1})
+    ctx.held = contextlib.ExitStack()
+    ctx.held.enter_context(ckpt.reading_tag(ctx.run / "checkpoints", "phase1-step000002"))
+    ctx.request.addfinalizer(ctx.held.close)
+    return Launch(rank_command(2, ctx.args("--resume", "auto", "--max-steps", "4")))
+
+
+def check_convert_while_training_prunes(ctx: Ctx, out: Outcome) -> str:
+    ckpt_dir = ctx.run / "checkpoints"
+    tags = ckpt.list_tags(ckpt_dir)
+    assert "phase1-step000002" in tags and ckpt.read_latest(ckpt_dir) == "phase1-step000004", tags
+    assert "phase1-step000003" not in tags, tags  # pruning still ran for the tags nobody held
+    ctx.held.close()
+    export = execute(ctx.convert("phase1-step000002"))
+    assert export.returncode == 0 and "verified" in export.text(), export.text()[-3000:]
+    return "nothing: the held phase1-step000002 was skipped by pruning (step 3 pruned) and then exported, verified"
+
+
+# ---- the table ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    item: str
+    broken: str
+    setup: Callable[[Ctx], Launch]
+    exit_code: int
+    message: str
+    check: Callable[[Ctx, Outcome], str]
+    first_line: str = ERROR_LINE
+
+
+CASES = [
+    Case("resume-other-tokenizer-same-size", "1", "--resume auto with another tokenizer of the same size (and shards "
+         "made with it)", resume_other_tokenizer, 2,
+         r"checkpoint .*phase1-step000002 was trained with vocabulary sha256 \w+\.\.\. but --tokenizer "
+         r".*tokenizer2 has",
+         check_resume_other_tokenizer),
+    Case("resume-other-shard-set", "1", "--resume auto with another phase-1 shard set, same tokenizer",
+         resume_other_shard_set, 2, r"phase1-step000002: loader state: field '\w+' is .* but this loader has",
+         _unchanged),
+    Case("resume-cased-tokenizer", "1, 2", "--resume auto with the tokenizer marked cased (shards relabelled cased)",
+         resume_cased_tokenizer, 2, r"phase1-step000002 was trained uncased \(lowercase=True\) but --tokenizer "
+         r".*cased is cased", _unchanged),
+    Case("cased-tokenizer-uncased-shards", "2", "tokenizer says cased, shards' index.json uncased",
+         fresh_cased_tokenizer_uncased_shards, 2, r"{culprit}: field 'lowercase' is True \(uncased\) but --tokenizer "
+         r".*cased is cased", _nothing_written),
+    Case("convert-rewritten-vocab", "1, 2", "checkpoints/tokenizer/vocab.txt replaced by a same-size vocabulary",
+         convert_rewritten_tokenizer, 2, r"^error: .*phase1-step000002 was trained with vocabulary sha256 \w+\.\.\. "
+         r"but .*tokenizer/vocab\.txt has", _no_export),
+    Case("convert-recased-tokenizer", "2", "checkpoints/tokenizer/tokenizer_meta.json says cased",
+         convert_recased_tokenizer, 2, r"^error: .*phase1-step000002 was trained with lowercase=True but .*tokenizer "
+         r"says lowercase=False", _no_export),
+    Case("flipped-master-weight-resume", "3", "one byte flipped in rank 1's fp32 master weights of the newest tag "
+         "(phase1-step000004), --resume auto", flipped_master_resume, 0,
+         r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000004 is damaged \({culprit}: sha256",
+         check_flipped_master_resume, first_line=WARNING_LINE),
+    Case("flipped-master-weight-convert", "3", "one byte flipped in rank 1's fp32 master weights, converter",
+         flipped_master_convert, 2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: sha256", _no_export),
+    Case("truncated-model-states-resume", "3", "mp_rank_00_model_states.pt cut in half, only tag, --resume auto",
+         truncated_model_states_resume, 2, r"checkpoint phase1-step000002 is damaged: {culprit}: \d+ bytes, \d+ "
+         r"recorded at save", _unchanged),
+    Case("truncated-model-states-evaluate", "3", "mp_rank_00_model_states.pt cut in half, evaluation",
+         truncated_model_states_evaluate, 2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: \d+ bytes",
+         _unchanged),
+    Case("convert-while-training-prunes", "7", "a reader holds phase1-step000002 while training (keep_last_k 1) "
+         "saves steps 3 and 4", convert_while_training_prunes, 0, r"checkpoint .*phase1-step000004",
+         check_convert_while_training_prunes, first_line=r"checkpoint .*phase1-step000004"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("integrity_reference")
+    return _train(root, shards_128, shards_512, tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def trained_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    """The table's recipe stopped after 2 steps on 2 ranks (``phase1-step000002``)."""
+    root = tmp_path_factory.mktemp("integrity_trained")
+    return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "2")
+
+
+@pytest.fixture(scope="module")
+def trained_run_4(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    """Stopped after 4 steps: tags phase1-step000002 and phase1-step000004 (keep_last_k 2)."""
+    root = tmp_path_factory.mktemp("integrity_trained4")
+    return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "4")
+
+
+@pytest.fixture(scope="module")
+def other_shards_128(english_corpus, tokenizer_dir, tmp_path_factory) -> Path:
+    from bert_ds.data.create import create_shards
+
+    out = tmp_path_factory.mktemp("integrity_other") / "s128"
+    create_shards([english_corpus], tokenizer_dir, out, seq_len=128, dupe_factor=1, seed=99, samples_per_shard=10_000,
+                  progress=False)
+    return out
+
+
+def _train(root: Path, s128: Path, s512: Path, tokenizer: Path, *extra: str) -> Path:
+    args = ["--recipe", str(fault_recipe(root / "recipe.json")), "--data", str(s128), str(s512), "--tokenizer",
+            str(tokenizer), "--output", str(root / "run"), *extra]
+    done = execute(Launch(rank_command(2, args)))
+    assert done.returncode == 0, done.text()[-4000:]
+    return root / "run"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_fault(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_dir):
+    ctx = Ctx(tmp=tmp_path, request=request, s128=shards_128, s512=shards_512, tokenizer=tokenizer_dir)
+    out = execute(case.setup(ctx))
+    message = out.first_line(case.first_line)
+    lost = "not checked (an assertion above failed)"
+    try:
+        assert out.returncode == case.exit_code, f"exit {out.returncode}\n{out.text()[-5000:]}"
+        assert message is not None, f"no line matches {case.first_line!r}\n{out.text()[-5000:]}"
+        pattern = case.message.replace("{culprit}", re.escape(ctx.culprit))
+        assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
+        assert "Traceback" not in out.text(), out.text()[-5000:]
+        assert not out.survivors, f"processes outlived the command: {out.survivors}"
+        lost = case.check(ctx, out)
+    finally:
+        report_row(case.id, case.item, out, message, lost)
