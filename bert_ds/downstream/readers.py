@@ -170,16 +170,23 @@ def _json_error_location(exc: json.JSONDecodeError) -> tuple[int, int]:
 
 
 class _Locator:
-    """Line numbers of JSON values, found by searching the text for the value (json.loads keeps no positions)."""
+    """Line numbers of JSON string values, found by searching the text for them (json.loads keeps no positions).
+    Values are looked up in file order, so each search starts where the previous one ended: linear in the file."""
 
     def __init__(self, text: str):
-        self.text = text
+        self.text, self.pos, self.line, self.misses = text, 0, 1, 0
 
     def line_of(self, value: str) -> int:
-        at = self.text.find(json.dumps(value, ensure_ascii=False))
-        if at < 0:
-            at = self.text.find(json.dumps(value))
-        return self.text.count("\n", 0, at) + 1 if at >= 0 else 1
+        if self.misses > 3:  # values written with other escapes ("\/"): stop scanning the rest of the file each time
+            return self.line
+        for needle in (json.dumps(value, ensure_ascii=False), json.dumps(value)):
+            at = self.text.find(needle, self.pos)
+            if at >= 0:
+                self.line += self.text.count("\n", self.pos, at)
+                self.pos = at
+                return self.line
+        self.misses += 1
+        return self.line
 
 
 def _read_json_document(path: str | Path):
