@@ -14,13 +14,22 @@ rescales the carried moments but does not damp the first updates: LAMB's unclamp
 norm lr * ||w|| per tensor, so phase 2's warm-up alone sets their size. The hand-off is the same code in
 one invocation (``--phase all``) and when resuming exactly at the boundary, so both give identical results.
 
+Resume and the run directory. Every check runs in pre-flight (:mod:`bert_ds.runtime.preflight`) before this module
+takes the run's lock or writes anything under ``--output``: the recipe, the tokenizer's vocabulary (sha256, size) and
+casing against every shard set and against what the checkpoint was trained with, the model config, the loader's
+sample stream and the checkpoint's checksums. A refused run leaves the run directory byte for byte as it was. A
+checkpoint whose files fail the sha256 recorded at save is skipped by ``--resume auto`` with a loud warning naming the
+damaged file, and the run resumes from the newest intact tag before it (the later steps are trained again, exactly);
+with no intact tag the run is refused (exit 2). Default rather than opt-in so a requeued pre-empted job recovers
+without a person; the warning says which steps are redone.
+
 Exit codes: 0 done (or ``--max-steps`` reached), 1 a loader worker process died (the message names the shard it was
 reading), 2 bad input or an environment that cannot work (recipe, data, a corrupt shard or token id, resume mismatch,
-another run holding ``--output``, too little disk for a checkpoint, a checkpoint that fails to save or holds a non-
-allow-listed pickle, a stale extension build lock: one line naming the culprit; the last complete checkpoint is kept), 3
-non-finite loss or weights (the last good checkpoint is kept; fp16 steps the loss scaler skipped leave the weights
-unchanged and are not counted), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the next step boundary, even the last
-step of a phase; resubmit with ``--resume auto``).
+another run holding ``--output``, too little disk for a checkpoint, a checkpoint that fails to save, holds a non-
+allow-listed pickle or has no intact tag left, a stale extension build lock: one line naming the culprit; the last
+complete checkpoint is kept), 3 non-finite loss or weights (the last good checkpoint is kept; fp16 steps the loss
+scaler skipped leave the weights unchanged and are not counted), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the
+next step boundary, even the last step of a phase; resubmit with ``--resume auto``).
 """
 
 from __future__ import annotations
@@ -97,6 +106,8 @@ def run(plan: RunPlan) -> int:
         if plan.rank == 0:
             print(plan.nothing_to_do, flush=True)
         return 0
+    # The first writes under --output, after every pre-flight and resume check passed (plan_run): the lock, then the
+    # metadata (the same bytes on a resume, which pre-flight checked against the checkpoint).
     run_lock = ckpt.hold_run_dir(plan.run_dir, plan.rank)  # one run per --output (exit 2 naming the holder)
     if plan.rank == 0:
         ckpt.write_run_metadata(plan.run_dir, plan.recipe, plan.model_config, plan.args.tokenizer)

@@ -32,6 +32,7 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.data.format import HEADER_SIZE
 from bert_ds.data.reader import verify_shard_set
 from tests.helpers import HANG_GUARD_S
+from tests.helpers.checkpoint_damage import rerecord_checksum
 from tests.helpers.faults import (
     ERROR_LINE,
     FINAL_TAG,
@@ -394,6 +395,7 @@ def _plant(ctx: Ctx, file_name: str) -> None:
     state = torch.load(target, weights_only=False)  # our own, trusted file
     state["extra"] = _Payload(ctx.tmp / "PWNED")
     torch.save(state, target)
+    rerecord_checksum(target)  # past the checksums, to the unpickling defence
     ctx.culprit = str(target)
 
 
