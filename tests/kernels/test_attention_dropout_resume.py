@@ -4,8 +4,8 @@ The trainer seeds torch's RNG before every micro batch from ``DropoutKey`` (seed
 attention kernels draw their Philox key from that RNG. So a step's dropout masks depend only on the key: two runs give
 bit-identical losses and gradients, and a run restarted at step k from saved weights and optimizer state, with a
 scrambled RNG in between (a new process), continues bit for bit as the uninterrupted one. The padded (``unpad=False``)
-and the varlen (``unpad=True``) kernels are both run. A full ``bert_ds.runtime.pretrain`` run under the interpreter
-would take minutes per step; this drives the same seeding around the model directly.
+and the varlen (``unpad=True``) kernels are both run at model level (seconds); one slow test does the same end to end
+through ``bert_ds.runtime.pretrain`` with its checkpoints.
 """
 
 from __future__ import annotations
@@ -107,3 +107,32 @@ def test_attention_dropout_is_live_and_follows_the_key(unpad, monkeypatch):
     assert len(draws) == 2 and draws[0] != draws[1]
     assert with_dropout != without
     assert with_dropout != other_key
+
+
+@pytest.mark.slow  # three pretrain processes with every kernel interpreted: ~1.5 min each on 2 busy CPU cores
+def test_pretrain_stop_and_resume_is_exact_with_triton_attention_dropout(tmp_path, monkeypatch):
+    """End to end through ``bert_ds.runtime.pretrain`` (real DeepSpeed, ZeRO-2, one CPU rank): recipe kernels
+    ``triton`` under the interpreter, hidden and attention dropout 0.1, micro batch 1 of global 2 (accumulation).
+    Stopped at step 2 and resumed, the step-4 weights are bit-identical to the uninterrupted run."""
+    from bert_ds.data.synthetic import write_synthetic_shards
+    from bert_ds.data.tokenizer import vocab_sha256
+    from tests.helpers.runs import SMALL_RECIPE, run_pretrain, weights, write_recipe
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the pretrain process: Triton kernels on CPU tensors
+    (tmp_path / "tokenizer").mkdir()
+    vocab = tmp_path / "tokenizer" / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"tok{i}" for i in range(11995)]))
+    write_synthetic_shards(tmp_path / "s128", num_samples=64, samples_per_shard=32, seq_len=128, max_predictions=20,
+                           vocab_size=12000, seed=1, vocab_sha256=vocab_sha256(vocab), cls_id=2, sep_id=3, mask_id=4)
+    recipe = write_recipe(tmp_path / "recipe.json", kernels="triton",
+                          model_overrides={"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1},
+                          phases=[dict(SMALL_RECIPE["phases"][0], steps=4, global_batch_size=2)])
+    common = ["--recipe", str(recipe), "--data", str(tmp_path / "s128"), "--tokenizer", str(tmp_path / "tokenizer")]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_pretrain([*common, "--output", str(straight)])
+    run_pretrain([*common, "--output", str(stopped), "--max-steps", "2"])
+    run_pretrain([*common, "--output", str(stopped), "--resume", "auto"])
+    got, want = weights(stopped, "phase1-step000004"), weights(straight, "phase1-step000004")
+    assert got.keys() == want.keys()
+    differ = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ after stop/resume, e.g. {differ[:3]}"
