@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,8 @@ MAX_CELL_CHARS = 1_000_000
 """Longest accepted cell (characters). SQuAD's longest context is ~26k characters; a bigger cell is a broken file
 (an unclosed quote swallowing the rest of a CSV, or the wrong file), refused before it reaches a tokenizer."""
 _MAX_LINE_BYTES = 8 * MAX_CELL_CHARS
+
+log = logging.getLogger(__name__)
 
 
 class DownstreamInputError(ValueError):
@@ -116,9 +119,12 @@ def _choose_glue_layout(spec: TaskSpec, path, first: str) -> TsvLayout:
     return layout
 
 
-def read_glue_tsv(spec: TaskSpec, path: str | Path, labelled: bool | None = None) -> list[dict]:
+def read_glue_tsv(spec: TaskSpec, path: str | Path, labelled: bool | None = None,
+                  drop_malformed_rows: bool | None = None) -> list[dict]:
     """A GLUE task file (train, dev or test) of ``spec``'s layout. ``labelled=True`` refuses a file without labels,
-    ``False`` one with labels; None accepts both (test files give ``label: None``)."""
+    ``False`` one with labels; None accepts both (test files give ``label: None``). ``drop_malformed_rows`` (default:
+    the preset's) skips lines with the wrong column count, with one warning that counts them, instead of refusing."""
+    drop = spec.drop_malformed_rows if drop_malformed_rows is None else drop_malformed_rows
     lines = iter_lines(path)
     first = next(lines, None)
     if first is None:
@@ -134,12 +140,13 @@ def read_glue_tsv(spec: TaskSpec, path: str | Path, labelled: bool | None = None
     width = len(names) if layout.header is None else len(first[1].split("\t"))
     header_names = names if layout.header is None else tuple(first[1].split("\t"))
     body = lines if layout.header is not None else _chain(first, lines)
-    records = []
+    records, dropped = [], []
     for number, text in body:
-        if not text:
-            raise DownstreamInputError(path, number, 1, "empty line")
         cells = text.split("\t")
         if len(cells) != width:
+            if drop:
+                dropped.append(number)
+                continue
             column = _col(min(len(cells), width), header_names)
             raise DownstreamInputError(path, number, column, f"{len(cells)} tab-separated columns, expected {width} "
                                        f"({list(header_names)})")
@@ -154,6 +161,9 @@ def read_glue_tsv(spec: TaskSpec, path: str | Path, labelled: bool | None = None
             "label": label,
             "idx": cells[index[layout.idx]] if layout.idx else number,
         })
+    if dropped:
+        log.warning("%s: dropped %d lines with a column count other than %d (lines %s%s)", path, len(dropped), width,
+                    ", ".join(map(str, dropped[:5])), ", ..." if len(dropped) > 5 else "")
     if not records:
         raise DownstreamInputError(path, 2, 1, "no examples after the header")
     return records
@@ -507,13 +517,14 @@ def _records_for(spec: TaskSpec, path, columns: dict[str, str]) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------- entry point
 def read_split(spec: TaskSpec | str, path: str | Path, *, labelled: bool | None = None,
-               columns: dict[str, str] | None = None) -> list[dict]:
+               columns: dict[str, str] | None = None, drop_malformed_rows: bool | None = None) -> list[dict]:
     """Normalised records of one split file of task ``spec`` (a TaskSpec or a preset name). ``labelled`` (GLUE,
-    SWAG) insists on a labelled or an unlabelled file; ``columns`` overrides a generic task's column names."""
+    SWAG) insists on a labelled or an unlabelled file; ``columns`` overrides a generic task's column names;
+    ``drop_malformed_rows`` (GLUE) overrides the preset's choice (see ``TaskSpec.drop_malformed_rows``)."""
     if isinstance(spec, str):
         spec = task_spec(spec)
     if spec.format == "glue_tsv":
-        return read_glue_tsv(spec, path, labelled)
+        return read_glue_tsv(spec, path, labelled, drop_malformed_rows)
     if spec.format == "squad_json":
         version = {"squad_v1": 1, "squad_v2": 2}.get(spec.name)
         return read_squad_json(path, version)

@@ -83,6 +83,9 @@ class TaskSpec:
     """Generic CSV/JSON-lines tasks: record field -> column name (e.g. ``{"text": "sentence", "label": "label"}``)."""
     eval_splits: tuple[str, ...] = ("dev",)
     """Splits the suite scores (MNLI: matched and mismatched)."""
+    drop_malformed_rows: bool = False
+    """GLUE: skip (and count, with a warning) lines whose column count is wrong instead of refusing the file. Only
+    QQP: its GLUE train/dev files carry such lines, which fairseq's GLUE preprocessing also drops (awk NF == 6)."""
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -118,10 +121,11 @@ _NLI3 = ["contradiction", "entailment", "neutral"]  # transformers' MnliProcesso
 _NLI2 = ["entailment", "not_entailment"]
 
 
-def _glue(name, glue_dir, shape, labels, metrics, main, train_layout, test_layout, splits=None, eval_splits=("dev",)):
+def _glue(name, glue_dir, shape, labels, metrics, main, train_layout, test_layout, splits=None, eval_splits=("dev",),
+          drop_malformed_rows=False):
     return TaskSpec(name=name, shape=shape, format="glue_tsv", labels=labels, metrics=metrics, main_metric=main,
                     glue_dir=glue_dir, splits=dict(splits or _GLUE_SPLITS), train_layout=train_layout,
-                    test_layout=test_layout, eval_splits=eval_splits)
+                    test_layout=test_layout, eval_splits=eval_splits, drop_malformed_rows=drop_malformed_rows)
 
 
 _PAIR_TEST = TsvLayout(header=("index", "sentence1", "sentence2"), text="sentence1", text_pair="sentence2", idx="index")
@@ -154,7 +158,8 @@ GLUE_TASKS: dict[str, TaskSpec] = {
         "qqp", "QQP", "classification", _BINARY, ["f1", "accuracy"], "f1",
         TsvLayout(header=("id", "qid1", "qid2", "question1", "question2", "is_duplicate"), text="question1",
                   text_pair="question2", label="is_duplicate", idx="id"),
-        TsvLayout(header=("id", "question1", "question2"), text="question1", text_pair="question2", idx="id")),
+        TsvLayout(header=("id", "question1", "question2"), text="question1", text_pair="question2", idx="id"),
+        drop_malformed_rows=True),
     "stsb": _glue(
         "stsb", "STS-B", "regression", None, ["pearson", "spearman"], "spearman",
         TsvLayout(header=_STSB_COLUMNS + ("score",), text="sentence1", text_pair="sentence2", label="score",

@@ -295,3 +295,17 @@ def test_cli_style_one_line_errors_for_every_preset(tmp_path):
         path = _write(tmp_path / f"{name}.csv", b"\xff\xfe garbage\n")
         err = _error(name, path)
         assert re.fullmatch(rf"{re.escape(str(path))}: line 1, column 1: not UTF-8.*", str(err)), str(err)
+
+
+def test_qqp_drops_lines_with_the_wrong_column_count_and_says_so(tmp_path, caplog):
+    header = "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+    path = _write(tmp_path / "train.tsv", header + "0\t1\t2\tHow?\tWhy?\t0\n1\t3\t4\tcut short\n2\t5\t6\tA?\tB?\t1\n")
+    with caplog.at_level("WARNING", logger="bert_ds.downstream.readers"):
+        records = read_split("qqp", path)
+    assert [r["idx"] for r in records] == ["0", "2"]
+    assert "dropped 1 lines with a column count other than 6 (lines 3)" in caplog.text
+    err = _error("qqp", path, drop_malformed_rows=False)
+    assert (err.line, err.column) == (3, "5 (question2)")
+    # Dropping never hides a bad label or undecodable bytes.
+    _write(path, header + "0\t1\t2\tHow?\tWhy?\t7\n")
+    assert "label '7' not in" in str(_error("qqp", path))
