@@ -1,7 +1,8 @@
 """Shared pieces of the optimizer tests: a tiny model with awkward shapes, its data, a float64 LAMB reference,
 the naive flat-slice LAMB, and launchers for real DeepSpeed CPU ranks (gloo): ``lamb_zero_worker`` (the tiny model),
-``lamb_engine_worker`` (bert_ds's engine on real text) and this module's own worker for the same engine runs in fp32 or
-DeepSpeed's bf16 mode (``launch_precision_runs``; ``python -m tests.helpers.lamb_harness`` is one of its ranks)."""
+``lamb_engine_worker`` (bert_ds's engine on real text, step by step against a float64 LAMB) and this module's own
+worker for the same engine runs in fp32 or DeepSpeed's bf16 mode (``launch_precision_runs``; ``python -m
+tests.helpers.lamb_harness`` is one of its ranks)."""
 
 from __future__ import annotations
 
@@ -201,24 +202,15 @@ def launch(world_size: int, out_dir: Path, jobs: list[str], steps: int = 20, ckp
 
 def launch_engine_runs(world_size: int, out_dir: Path, jobs: list[str], steps: int, data: Path,
                        vocab: Path) -> dict[str, dict]:
-    """Run ``lamb_engine_worker`` jobs (``z<stage>-<clip|noclip>-<trust_ratio>``) on ``world_size`` CPU ranks.
+    """Run ``lamb_engine_worker`` jobs (``z<stage>-<trust_ratio>[-overlap][-<bug>]``) on ``world_size`` CPU ranks.
 
-    Returns ``{job: {"params": rank 0's final weights (fp64), "grad_norms": per-step TrainEngine.grad_norm(),
-    "independent_norms": per-step fp64 norm of the averaged gradients, stage 0 only (else empty)}}``.
+    Returns ``{job: {"steps": per-step records (lr, grad_norm, received_norm, clip_error, update_errors per tensor),
+    "grad_step1": the unclipped gradient of step 1 by tensor name}}`` (see the worker's docstring).
     """
     run_ranks(world_size, out_dir, ENGINE_WORKER, [f"--out={out_dir}", f"--jobs={','.join(jobs)}", f"--steps={steps}",
                                                    f"--data={data}", f"--vocab={vocab}"])
-    return {job: {"params": torch.load(out_dir / job / "params.pt"),
-                  **json.loads((out_dir / job / "norms.json").read_text())} for job in jobs}
-
-
-def max_rel_diff_excluding(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
-                           excluded: tuple[str, ...]) -> tuple[float, str]:
-    """``max_rel_diff`` over the tensors whose name contains none of ``excluded``, and the worst tensor's name."""
-    kept = [n for n in b if not any(e in n for e in excluded)]
-    diffs = {n: max_rel_diff({n: a[n]}, {n: b[n]}) for n in kept}
-    worst = max(diffs, key=diffs.get)
-    return diffs[worst], worst
+    return {job: {**json.loads((out_dir / job / "result.json").read_text()),
+                  "grad_step1": torch.load(out_dir / job / "grad_step1.pt")} for job in jobs}
 
 
 # ------------------------------------------------------------------------------------- mixed precision (bf16) runs
