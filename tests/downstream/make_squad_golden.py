@@ -163,6 +163,16 @@ def main() -> None:
     for thresh in (1.0, 0.5, 0.0):
         cases.append({"name": f"v2_crafted_thresh_{thresh}", "version": 2, "data": data, "predictions": predictions,
                       "na_probs": na, "na_prob_thresh": thresh})
+    # One question per case as well: the official output is then that question's own exact / F1.
+    for i, (golds, prediction) in enumerate(V1_CRAFTED):
+        context = " ; ".join(golds)
+        data = _squad([(context, golds, [context.index(g) for g in golds], f"v1-{i}")], "1.1")
+        cases.append({"name": f"v1_single_{i}", "version": 1, "data": data, "predictions": {f"v1-{i}": prediction}})
+    for i, (golds, prediction, prob) in enumerate(V2_CRAFTED):
+        context = " ; ".join(golds) or "An unanswerable paragraph."
+        data = _squad([(context, golds, [context.index(g) for g in golds], f"v2-{i}")], "v2.0")
+        cases.append({"name": f"v2_single_{i}", "version": 2, "data": data, "predictions": {f"v2-{i}": prediction},
+                      "na_probs": {f"v2-{i}": prob}, "na_prob_thresh": 1.0})
     data, predictions, na = random_v2
     for thresh in (1.0, 0.45):
         cases.append({"name": f"v2_random_thresh_{thresh}", "version": 2, "data": data, "predictions": predictions,
