@@ -13,16 +13,19 @@ seqeval, and outputs of the official SQuAD evaluation scripts).
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import re
 import string
+import sys
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 __all__ = ["METRICS", "compute_metrics", "accuracy", "binary_f1", "matthews_corrcoef", "pearson", "spearman",
-           "entity_scores", "normalize_answer", "squad_exact", "squad_f1", "squad_v1", "squad_v2"]
+           "entity_scores", "normalize_answer", "squad_exact", "squad_f1", "squad_v1", "squad_v2", "main"]
 
 
 def _pair(predictions, references) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +198,8 @@ def _best_threshold(predictions, raw: dict[str, float], na_probs: dict[str, floa
     span, which gains its raw score if it has an answer and loses 1 if it has none and the span is non-empty. The
     best running total and the probability where it was reached are kept (the first on ties). Like the official
     script, the sweep walks questions one by one in (stable) probability order, even inside a group of equal
-    probabilities."""
+    probabilities; and a best total reached before any question switches reports threshold 0.0, which means "below
+    every value" only for probabilities (with signed scores such as null-score margins, read it as minus infinity)."""
     total = sum(1 for v in has_answer.values() if not v)
     best, best_threshold = total, 0.0
     for qid in sorted(na_probs, key=lambda k: na_probs[k]):
@@ -252,3 +256,49 @@ def squad_v2(predictions: dict[str, str], examples: Sequence[dict], na_probs: di
     out["best_exact"], out["best_exact_thresh"] = _best_threshold(predictions, exact_raw, sweep_na, has_answer)
     out["best_f1"], out["best_f1_thresh"] = _best_threshold(predictions, f1_raw, sweep_na, has_answer)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bert_ds.downstream.metrics DATA.json PRED.json [--na-prob-file F] [--na-prob-thresh T]``: score
+    SQuAD predictions (a JSON object id -> answer text) as the official scripts do, v1.1 or v2.0 after the data file's
+    ``version``; prints the JSON result. Bad input: one line on stderr, exit 2."""
+    from bert_ds.downstream.readers import DownstreamInputError, read_squad_json
+
+    parser = argparse.ArgumentParser(description="SQuAD v1.1 / v2.0 evaluation (the official scripts' metrics)")
+    parser.add_argument("data_file")
+    parser.add_argument("pred_file")
+    parser.add_argument("--na-prob-file", help="v2.0: question id -> probability of no answer")
+    parser.add_argument("--na-prob-thresh", type=float, default=1.0, help="v2.0: answer '' above this (default 1.0)")
+    args = parser.parse_args(argv)
+
+    def load(path: str):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except json.JSONDecodeError as exc:
+            raise DownstreamInputError(path, exc.lineno, exc.colno, f"not valid JSON: {exc.msg}") from None
+        except UnicodeDecodeError as exc:
+            raise DownstreamInputError(path, 1, exc.start + 1, "not UTF-8") from None
+
+    try:
+        examples = read_squad_json(args.data_file)
+        version = str(load(args.data_file).get("version", ""))
+        predictions = load(args.pred_file)
+        if not isinstance(predictions, dict) or not all(isinstance(v, str) for v in predictions.values()):
+            raise ValueError(f"{args.pred_file}: expected a JSON object mapping question ids to answer strings")
+        if version.lstrip("v").startswith("2"):
+            na_probs = None
+            if args.na_prob_file:
+                na_probs = load(args.na_prob_file)
+            result = squad_v2(predictions, examples, na_probs, args.na_prob_thresh)
+        else:
+            result = squad_v1(predictions, examples)
+    except (DownstreamInputError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -244,3 +244,29 @@ def test_compute_metrics_refuses_unknown_names_and_mismatched_lengths():
         compute_metrics(["mcc"], [], [])
     with pytest.raises(ValueError, match="sequence 0: 1 predicted tags but 2"):
         compute_metrics(["entity_f1"], [["O"]], [["O", "O"]])
+
+
+def test_squad_command_line_prints_the_official_result(tmp_path):
+    import subprocess
+    import sys
+
+    cases = {c["name"]: c for c in _golden_cases()}
+    for name in ("v1_crafted", "v2_crafted_thresh_0.5"):
+        case = cases[name]
+        files = {}
+        for key, value in (("data", case["data"]), ("pred", case["predictions"]), ("na", case.get("na_probs"))):
+            files[key] = tmp_path / f"{name}_{key}.json"
+            files[key].write_text(json.dumps(value), encoding="utf-8")
+        cmd = [sys.executable, "-m", "bert_ds.downstream.metrics", str(files["data"]), str(files["pred"])]
+        if case["version"] == 2:
+            cmd += ["--na-prob-file", str(files["na"]), "--na-prob-thresh", str(case["na_prob_thresh"])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+        got = json.loads(done.stdout)
+        for key, value in case["official"].items():
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (name, key)
+    bad = tmp_path / "bad_pred.json"
+    bad.write_text('{"v1-0": "Eiffel",\n "v1-1": }', encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "bert_ds.downstream.metrics", str(files["data"]), str(bad)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == f"error: {bad}: line 2, column 10: not valid JSON: Expecting value"
