@@ -38,6 +38,7 @@ from bert_ds.checkpoint.layout import (
     rng_file,
     tag_for,
     tokenizer_dir,
+    trained_vocabulary,
     write_run_metadata,
 )
 from bert_ds.checkpoint.lock import (
@@ -76,4 +77,4 @@ __all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "LOCK_NAM
            "hold_run_dir", "list_tags", "load_rng_state", "load_tensor_file", "open_checkpoint", "open_handoff",
            "parameter_count", "parse_tag", "prune_checkpoints", "read_latest", "read_model_config", "read_run_state",
            "remove_debris", "resolve_tag", "restore_run", "rng_file", "save_checkpoint", "save_rng_state", "tag_for",
-           "tokenizer_dir", "write_run_metadata"]
+           "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]

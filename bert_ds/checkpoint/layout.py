@@ -39,7 +39,7 @@ from bert_ds.safe_load import CheckpointError
 __all__ = ["CHECKPOINT_DIR", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TOKENIZER_DIR_NAME", "CheckpointRef",
            "CheckpointSaveError", "RunLockedError", "checkpoint_dir", "list_tags", "open_checkpoint", "parse_tag",
            "read_latest", "read_model_config", "read_run_state", "remove_debris", "resolve_tag", "rng_file",
-           "tag_for", "tokenizer_dir", "write_run_metadata"]
+           "tag_for", "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_STATE_NAME = "run_state.json"
@@ -173,6 +173,22 @@ def open_checkpoint(ckpt_dir: str | Path, tag: str | None = None, verify: bool =
     if verify:
         check_tag(ckpt_dir / tag)
     return CheckpointRef(ckpt_dir, tag, config, tok_dir)
+
+
+def trained_vocabulary(ckpt_dir: str | Path, tag: str) -> tuple[str | None, bool | None]:
+    """(vocabulary sha256, lowercase) ``tag`` was trained with: what its ``run_state.json`` recorded, else (a tag of an
+    older bert_ds) the tokenizer copied beside the tags, else None for what is unknown."""
+    from bert_ds.data.tokenizer import vocab_sha256
+
+    ckpt_dir = Path(ckpt_dir)
+    state = read_run_state(ckpt_dir, tag)
+    sha, lowercase = state.get("vocab_sha256"), state.get("lowercase")
+    copy = ckpt_dir / TOKENIZER_DIR_NAME
+    if sha is None and (copy / "vocab.txt").is_file():
+        sha = vocab_sha256(copy / "vocab.txt")
+    if lowercase is None and (copy / "vocab.txt").is_file():
+        lowercase = read_lowercase(copy)
+    return sha, lowercase
 
 
 def _check_trained_tokenizer(ckpt_dir: Path, tag: str, tokenizer) -> None:

@@ -243,21 +243,12 @@ def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ck
 def _check_run_matches(ckpt_dir: Path, tag: str, args: argparse.Namespace, tokenizer, model_config: BertConfig) -> None:
     """The tokenizer (vocabulary sha256, size, casing) and model config of this run are those ``tag`` was trained
     with: what the tag recorded (bert_ds >= issue 16), else the tokenizer copy and ``model_config.json`` beside it."""
-    from bert_ds.data.tokenizer import read_lowercase, vocab_sha256
-
-    state = ckpt.read_run_state(ckpt_dir, tag)
     where = f"--resume auto: checkpoint {ckpt_dir / tag}"
-    saved_tok = ckpt_dir / ckpt.TOKENIZER_DIR_NAME
-    saved_sha = state.get("vocab_sha256")
-    if saved_sha is None and (saved_tok / "vocab.txt").is_file():
-        saved_sha = vocab_sha256(saved_tok / "vocab.txt")
+    saved_sha, saved_lower = ckpt.trained_vocabulary(ckpt_dir, tag)
     if saved_sha is not None and saved_sha != tokenizer.vocab_sha256:
         raise ValueError(f"{where} was trained with vocabulary sha256 {saved_sha[:16]}... but --tokenizer "
                          f"{args.tokenizer} has {tokenizer.vocab_sha256[:16]}...: resuming would train the old "
                          f"weights on other token ids. Use the original tokenizer or a new --output")
-    saved_lower = state.get("lowercase")
-    if saved_lower is None and (saved_tok / "vocab.txt").is_file():
-        saved_lower = read_lowercase(saved_tok)
     if saved_lower is not None and saved_lower != tokenizer.lowercase:
         raise ValueError(f"{where} was trained {_casing(saved_lower)} (lowercase={saved_lower}) but --tokenizer "
                          f"{args.tokenizer} is {_casing(tokenizer.lowercase)}. Use the original tokenizer or a new "

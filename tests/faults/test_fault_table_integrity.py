@@ -168,6 +168,19 @@ def resume_other_shard_set(ctx: Ctx) -> Launch:
     return Launch(rank_command(2, ctx.args("--resume", "auto", data=(other, ctx.s512))))
 
 
+def resume_changed_recipe(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    recipe = fault_recipe(ctx.tmp / "changed.json", **{"phases.0.lr": 3e-2})
+    args = ctx.args("--resume", "auto")
+    args[args.index("--recipe") + 1] = str(recipe)
+    return Launch(rank_command(2, args))
+
+
+def resume_none_over_checkpoint(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    return Launch(rank_command(2, ctx.args()))
+
+
 def convert_rewritten_tokenizer(ctx: Ctx) -> Launch:
     ctx.copy_run()
     swapped = _swapped_vocab_tokenizer(ctx)
@@ -190,7 +203,7 @@ def flip_master_weight_byte(zero_file: Path) -> None:
     found by their bytes in the file (torch stores each tensor's storage uncompressed)."""
     state = torch.load(zero_file, weights_only=False)  # our own, trusted file
     master = state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
-    raw = master.contiguous().numpy().tobytes()
+    raw = master.detach().contiguous().numpy().tobytes()
     data = bytearray(zero_file.read_bytes())
     at = data.find(raw[:256])
     assert at >= 0 and data.count(raw[:256]) == 1, "master weights not found once in the file"
@@ -301,6 +314,11 @@ CASES = [
          check_resume_other_tokenizer),
     Case("resume-other-shard-set", "1", "--resume auto with another phase-1 shard set, same tokenizer",
          resume_other_shard_set, 2, r"phase1-step000002: loader state: field '\w+' is .* but this loader has",
+         _unchanged),
+    Case("resume-changed-recipe", "1", "--resume auto with phases[0].lr changed", resume_changed_recipe, 2,
+         r"different recipe; field\(s\) \['phases\[0\]\.lr'\] differ", _unchanged),
+    Case("resume-none-over-checkpoint", "1", "no --resume on an --output holding a checkpoint",
+         resume_none_over_checkpoint, 2, r"already holds checkpoint 'phase1-step000002': pass --resume auto",
          _unchanged),
     Case("resume-cased-tokenizer", "1, 2", "--resume auto with the tokenizer marked cased (shards relabelled cased)",
          resume_cased_tokenizer, 2, r"phase1-step000002 was trained uncased \(lowercase=True\) but --tokenizer "
