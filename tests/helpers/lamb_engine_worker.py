@@ -199,7 +199,7 @@ def _full_gradients(te, received: list[torch.Tensor], names: list[str]) -> dict[
     return out
 
 
-def run_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Path) -> None:
+def run_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Path, seed: int | None = None) -> None:
     import bert_ds.optim.clip
     from bert_ds.data.index import vocab_sha256
     from bert_ds.data.loader import build_loader
@@ -208,6 +208,8 @@ def run_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Path) -> Non
     stage, trust_ratio, _, bug = parse_job(job)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     recipe = exactness_recipe(job)
+    if seed is not None:  # another initialisation and data order: another sample of the rounding
+        recipe = dataclasses.replace(recipe, seed=seed)
     engine_recipe = recipe
     if bug == "convention":
         other = {"all": "decay_only", "decay_only": "all"}[trust_ratio]
@@ -309,13 +311,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--data", type=Path, required=True, help="a seq-128 shard set")
     ap.add_argument("--vocab", type=Path, required=True, help="the shard set's vocab.txt")
+    ap.add_argument("--seed", type=int, default=None, help="instead of the recipe's seed")
     args = ap.parse_args()
     jobs = args.jobs.split(",")
     for job in jobs:
         parse_job(job)
     deepspeed.init_distributed(dist_backend="gloo")
     for job in jobs:
-        run_job(job, args.steps, args.data, args.vocab, args.out)
+        run_job(job, args.steps, args.data, args.vocab, args.out, args.seed)
 
 
 if __name__ == "__main__":
