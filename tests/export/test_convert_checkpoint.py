@@ -172,3 +172,44 @@ def test_verification_failure_exits_1_and_leaves_nothing(checkpoints, tmp_path, 
     assert cli(["--checkpoint", str(ckpt), "--out", str(tmp_path / "out")]) == 1
     assert "disagrees with bert_ds" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _damage_first_zero_file(ckpt: Path) -> Path:
+    target = sorted((ckpt / TAG).glob("*optim_states.pt"))[0]
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    target.write_bytes(bytes(data))
+    return target
+
+
+@pytest.mark.parametrize("stage", (0, 2))
+def test_damaged_checkpoint_file_is_named_and_nothing_exported(checkpoints, tmp_path, capsys, stage):
+    """One flipped byte in a file of the tag fails the sha256 recorded at save: exit 2, one line naming the file."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(stage_checkpoint_dir(checkpoints, stage), ckpt)
+    target = _damage_first_zero_file(ckpt) if stage else ckpt / TAG / "mp_rank_00_model_states.pt"
+    if not stage:
+        with open(target, "r+b") as f:
+            f.truncate(target.stat().st_size - 1)
+    assert cli(["--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: checkpoint {TAG} is damaged: {target}:"), err
+    assert not (tmp_path / "hf").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize(("field", "value", "pattern"), [
+    ("lowercase", False, r"was trained with lowercase=False but .*tokenizer says lowercase=True"),
+    ("vocab_sha256", "0" * 64, r"was trained with vocabulary sha256 0000000000000000\.\.\. but .*vocab\.txt has")])
+def test_tokenizer_other_than_the_tag_learned_is_refused(checkpoints, tmp_path, capsys, field, value, pattern):
+    """The tag records the vocabulary and casing it was trained with; a ``tokenizer/`` that differs is refused, naming
+    both, instead of exporting the weights with another tokenizer as "verified"."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(stage_checkpoint_dir(checkpoints, 2), ckpt)
+    state_path = ckpt / TAG / RUN_STATE_NAME
+    state = json.loads(state_path.read_text())
+    state[field] = value
+    state_path.write_text(json.dumps(state))
+    assert cli(["--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(pattern, err[0]), err
+    assert not (tmp_path / "hf").exists()
