@@ -526,7 +526,8 @@ def build_parser(prog: str = "bert-ds-finetune") -> argparse.ArgumentParser:
                         help="generic tasks: the label (default: label); token: the tags (default: tags)")
     parser.add_argument("--max-seq-length", type=int, default=128, help="WordPieces per example, [CLS]/[SEP] "
                         "included; longer ones are truncated and counted (default: 128)")
-    parser.add_argument("--doc-stride", type=int, default=128, help="QA: tokens between window starts (default: 128)")
+    parser.add_argument("--doc-stride", type=int, default=128, help="QA: tokens a window shares with the previous "
+                        "one when a context is cut (default: 128)")
     parser.add_argument("--max-query-length", type=int, default=64, help="QA: question WordPieces kept (default: 64)")
     parser.add_argument("--n-best", type=int, default=20, help="QA: start/end candidates per window (default: 20)")
     parser.add_argument("--max-answer-length", type=int, default=30, help="QA: longest answer in WordPieces "

@@ -2,7 +2,8 @@
 ``AutoModelForQuestionAnswering``: a start and an end vector over the final hidden states.
 
 * Windows: ``[CLS] question [SEP] context-window [SEP]``; a context longer than ``max_seq_length`` is cut into windows
-  that overlap, each starting ``doc_stride`` tokens after the previous (Google's ``run_squad.py``).
+  that share ``doc_stride`` tokens with the previous one (the tokenizer's ``stride``, as transformers' ``run_qa.py``;
+  Google's ``run_squad.py`` counts the step between window starts instead).
 * Training target: the answer's first and last token when the whole answer lies inside the window, else ``[CLS]``
   (position 0) — the paper's no-answer span, used for v2.0's unanswerable questions and for windows that miss it.
 * Prediction: per window the ``n_best`` highest start and end logits; a span is valid when both ends lie in the
@@ -23,6 +24,11 @@ __all__ = ["train_features", "eval_features", "best_spans", "answers"]
 
 def _windows(tokenizer, examples: list[dict], max_seq_length: int, doc_stride: int, max_query_length: int):
     questions = [_question(tokenizer, e["question"], max_query_length) for e in examples]
+    for example, question in zip(examples, questions, strict=True):
+        room = max_seq_length - len(tokenizer(question, add_special_tokens=False)["input_ids"]) - 3
+        if doc_stride >= room:
+            raise ValueError(f"question {example['id']!r}: doc_stride={doc_stride} must be below the {room} context "
+                             f"tokens a window of max_seq_length={max_seq_length} holds after the question")
     # Question first, as the paper (segment A = question, B = passage); only the passage is cut into windows.
     return tokenizer(questions, [e["context"] for e in examples], truncation="only_second",
                      max_length=max_seq_length, stride=doc_stride, return_overflowing_tokens=True,
@@ -36,15 +42,9 @@ def _question(tokenizer, question: str, max_query_length: int) -> str:
     return question if len(ids) <= max_query_length else question[:ids[max_query_length - 1][1]]
 
 
-def _check_stride(max_seq_length: int, doc_stride: int) -> None:
-    if not 0 < doc_stride < max_seq_length:
-        raise ValueError(f"doc_stride={doc_stride} must be in [1, max_seq_length={max_seq_length})")
-
-
 def train_features(tokenizer, examples: list[dict], max_seq_length: int, doc_stride: int,
                    max_query_length: int = 64) -> list[dict]:
     """Model inputs with ``start_positions`` / ``end_positions`` for every window of every example."""
-    _check_stride(max_seq_length, doc_stride)
     enc = _windows(tokenizer, examples, max_seq_length, doc_stride, max_query_length)
     features = []
     for i, offsets in enumerate(enc["offset_mapping"]):
@@ -68,7 +68,6 @@ def eval_features(tokenizer, examples: list[dict], max_seq_length: int, doc_stri
                   max_query_length: int = 64) -> tuple[list[dict], list[dict]]:
     """(model inputs, per-window bookkeeping): the bookkeeping holds the example index and the character offsets of
     the context tokens (None elsewhere), which post-processing maps spans back through."""
-    _check_stride(max_seq_length, doc_stride)
     enc = _windows(tokenizer, examples, max_seq_length, doc_stride, max_query_length)
     inputs, meta = [], []
     for i, offsets in enumerate(enc["offset_mapping"]):

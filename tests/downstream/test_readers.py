@@ -61,7 +61,7 @@ def test_labelled_flag_refuses_the_other_layout(glue):
     root, _ = glue
     with pytest.raises(DownstreamInputError, match=r"test\.tsv: line 1, column 1: expected a labelled"):
         read_split("rte", root / "RTE" / "test.tsv", labelled=True)
-    with pytest.raises(DownstreamInputError, match=r"dev\.tsv: line 1, column 1: expected a unlabelled"):
+    with pytest.raises(DownstreamInputError, match=r"dev\.tsv: line 1, column 1: expected an unlabelled"):
         read_split("cola", root / "CoLA" / "dev.tsv", labelled=False)
     assert read_split("cola", root / "CoLA" / "test.tsv", labelled=False)[0]["label"] is None
 

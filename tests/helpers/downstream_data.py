@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 __all__ = ["MINILM", "documents", "write_sst2", "write_mrpc", "write_stsb", "write_swag", "write_conll",
-           "write_squad", "pair_rows", "sts_rows"]
+           "write_squad", "write_rte", "write_mnli", "pair_rows", "sts_rows"]
 
 _WORD = re.compile(r"\w+|[^\w\s]")
 _ORGS = ("Free Software Foundation", "Python Software Foundation", "Apache Software Foundation")
@@ -235,3 +235,35 @@ def write_squad(docs, path: Path, n_train_q: int, n_dev_q: int, version: int, se
         target.write_text(json.dumps({"version": suffix, "data": part}), encoding="utf-8")
         files.append(target)
     return files[0], files[1]
+
+
+def write_rte(docs, task_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> Path:
+    """RTE layout: entailment when sentence 2 is the next sentence."""
+    rows = pair_rows(docs, n_train + n_dev, random.Random(seed))
+    table = [[i, a, b, "entailment" if label else "not_entailment"] for i, (a, b, label) in enumerate(rows)]
+    header = ["index", "sentence1", "sentence2", "label"]
+    _tsv(task_dir / "train.tsv", header, table[n_dev:])
+    _tsv(task_dir / "dev.tsv", header, table[:n_dev])
+    return task_dir
+
+
+def write_mnli(docs, task_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> Path:
+    """MNLI layout (train, dev_matched, dev_mismatched): entailment = the next sentence, neutral = a later sentence
+    of the same document, contradiction = a sentence of another document."""
+    from bert_ds.downstream.tasks import MNLI_DEV_HEADER
+
+    rng = random.Random(seed)
+    multi = [i for i, d in enumerate(docs) if len(d) >= 4]
+    rows = []
+    for n in range(n_train + 2 * n_dev):
+        d = rng.choice(multi)
+        k = rng.randrange(len(docs[d]) - 3)
+        kind = rng.choice(("entailment", "neutral", "contradiction"))
+        second = {"entailment": docs[d][k + 1], "neutral": docs[d][rng.randrange(k + 2, len(docs[d]))],
+                  "contradiction": rng.choice(docs[rng.choice([i for i in multi if i != d])])}[kind]
+        rows.append([n, n, f"{n}e", "corpus", "()", "()", "()", "()", _clean(docs[d][k]), _clean(second), kind])
+    front = list(MNLI_DEV_HEADER[:10])
+    _tsv(task_dir / "train.tsv", front + ["label1", "gold_label"], [r[:10] + [r[10], r[10]] for r in rows[2 * n_dev:]])
+    for name, part in (("dev_matched.tsv", rows[:n_dev]), ("dev_mismatched.tsv", rows[n_dev:2 * n_dev])):
+        _tsv(task_dir / name, list(MNLI_DEV_HEADER), [r[:10] + [r[10]] * 6 for r in part])
+    return task_dir
