@@ -394,7 +394,8 @@ def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int)
         weight_decay=args.weight_decay, warmup_steps=int(args.warmup_fraction * steps), lr_scheduler_type="linear",
         gradient_accumulation_steps=args.gradient_accumulation_steps, bf16=args.bf16, deepspeed=args.deepspeed,
         seed=args.seed, logging_steps=args.logging_steps, save_strategy="no", report_to="none",
-        use_cpu=args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()),
+        # Under DeepSpeed the device is the DeepSpeed accelerator's (its CPU accelerator on a machine without GPUs).
+        use_cpu=args.deepspeed is None and (args.device == "cpu" or not torch.cuda.is_available()),
         disable_tqdm=True, ddp_find_unused_parameters=False)
 
 
