@@ -1,21 +1,40 @@
-"""Reading and writing Hugging Face ``BertForPreTraining`` directories (config.json, weights, tokenizer)."""
+"""Reading and writing Hugging Face BERT directories (config.json, weights, tokenizer).
+
+Export writes ``BertForPreTraining``. Import for continued pre-training (``--init-from-hf``) also takes the layouts
+the hub publishes most (``BertForMaskedLM``: no pooler, no NSP head; ``BertModel``: no heads, and keys often without
+the ``bert.`` prefix): every tensor present is taken unchanged, the absent heads keep the model's normal init and one
+log line names them."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from bert_ds.config import BertConfig
 from bert_ds.data.tokenizer import VOCAB_NAME, WordPieceTokenizer, load_tokenizer
-from bert_ds.export.keymap import ExportError, from_hf_state_dict, to_hf_state_dict
+from bert_ds.export.keymap import PADDED_VOCAB_KEYS, ExportError, key_map, pad_vocab, to_hf_state_dict, untie_decoder
 from bert_ds.model import BertForPreTraining
 
 __all__ = ["HF_ARCHITECTURE", "hf_config_dict", "bert_config_from_hf", "read_hf_state_dict", "save_hf_model",
-           "load_training_tokenizer", "write_tokenizer", "load_hf_pretrained", "export_model"]
+           "load_training_tokenizer", "write_tokenizer", "load_hf_pretrained", "export_model",
+           "IMPORTABLE_ARCHITECTURES", "HEAD_GROUPS", "hf_to_pretraining_state"]
+
+log = logging.getLogger(__name__)
 
 HF_ARCHITECTURE = "BertForPreTraining"
+# The hub layouts continued pre-training starts from (bert-base-uncased lists BertForMaskedLM; sentence encoders
+# such as all-MiniLM-L6-v2 list BertModel).
+IMPORTABLE_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+# bert_ds key prefix -> the group named in the log when a checkpoint lacks it (initialised as a fresh model would be).
+HEAD_GROUPS: dict[str, str] = {
+    "bert.pooler.": "pooler",
+    "cls.seq_relationship.": "NSP head",
+    "cls.predictions.transform.": "MLM transform",
+    "cls.predictions.bias": "MLM output bias",
+}
 
 # BertConfig fields written to / read from config.json under the same name (all but the bert_ds-only padding).
 _SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -40,9 +59,9 @@ def bert_config_from_hf(hf_dir: str | Path, pad_vocab_to_multiple_of: int = 1, *
     if data.get("model_type") != "bert":
         raise ExportError(f"{path}: model_type={data.get('model_type')!r}, expected 'bert'")
     architectures = data.get("architectures") or []
-    if architectures and HF_ARCHITECTURE not in architectures:
-        raise ExportError(f"{path}: architectures={architectures}, expected {HF_ARCHITECTURE!r} (bert_ds pre-trains "
-                          "with both the MLM and NSP heads; other BERT heads lack the NSP head or the MLM head)")
+    if architectures and not set(architectures) & set(IMPORTABLE_ARCHITECTURES):
+        raise ExportError(f"{path}: architectures={architectures}, expected one of {list(IMPORTABLE_ARCHITECTURES)} "
+                          "(a task fine-tune's head cannot continue pre-training)")
     if data.get("position_embedding_type", "absolute") != "absolute":
         raise ExportError(f"{path}: position_embedding_type={data['position_embedding_type']!r}; "
                           "bert_ds supports 'absolute' only")
@@ -81,16 +100,57 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     raise ExportError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
+def hf_to_pretraining_state(hf_state: dict[str, torch.Tensor], config: BertConfig,
+                            source: str = "HF state dict") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF BERT weights of any importable layout -> (bert_ds tensors present, head groups absent).
+
+    Encoder and embeddings must all be there; the heads in :data:`HEAD_GROUPS` may be absent as whole groups. A
+    ``BertModel`` saved on its own names its keys without ``bert.`` (``embeddings.*``, ``encoder.*``, ``pooler.*``)."""
+    if not any(k.startswith("bert.") for k in hf_state):
+        hf_state = {f"bert.{k}": v for k, v in hf_state.items()}
+    # Buffers of older versions and TF-era LayerNorm names (gamma/beta) are not weights of their own.
+    hf_state = {k.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(".LayerNorm.beta", ".LayerNorm.bias"): v
+                for k, v in hf_state.items() if not k.endswith((".position_ids", ".token_type_ids"))}
+    if "cls.predictions.decoder.bias" in hf_state and "cls.predictions.bias" not in hf_state:
+        hf_state["cls.predictions.bias"] = hf_state["cls.predictions.decoder.bias"]
+    untie_decoder({k: v for k, v in hf_state.items()}, source)  # refuses an untied decoder; entries dropped below
+    hf_state = {k: v for k, v in hf_state.items() if not k.startswith("cls.predictions.decoder.")}
+    names = {theirs: ours for ours, theirs in key_map(config).items()}
+    unexpected = sorted(set(hf_state) - set(names))
+    absent = sorted(set(names) - set(hf_state))
+    required = [k for k in absent if not k.startswith(tuple(HEAD_GROUPS))]
+    partial = [group for prefix, group in HEAD_GROUPS.items()
+               if any(k.startswith(prefix) for k in absent) and any(k.startswith(prefix) for k in hf_state)]
+    if unexpected or required or partial:
+        raise ExportError(f"{source}: weights do not match the config: missing {required[:8]}, unexpected "
+                          f"{unexpected[:8]}, incomplete head group(s) {partial}")
+    state = {}
+    for theirs, tensor in hf_state.items():
+        ours = names[theirs]
+        tensor = tensor.detach().to(device="cpu", dtype=torch.float32)
+        state[ours] = pad_vocab(tensor, config, f"{source}: {theirs}") if ours in PADDED_VOCAB_KEYS else tensor
+    groups = [group for prefix, group in HEAD_GROUPS.items() if any(k.startswith(prefix) for k in absent)]
+    return state, groups
+
+
 def load_hf_pretrained(hf_dir: str | Path, kernels: str = "auto", activation_checkpointing: bool = False,
                        pad_vocab_to_multiple_of: int = 1, **config_overrides) -> BertForPreTraining:
-    """A bert_ds :class:`~bert_ds.model.BertForPreTraining` initialised from an HF ``BertForPreTraining`` directory
-    (continued pre-training). The HF import lives here, not on the model class: the model never imports ``export``.
+    """A bert_ds :class:`~bert_ds.model.BertForPreTraining` initialised from an HF ``BertForPreTraining``,
+    ``BertForMaskedLM`` or ``BertModel`` directory (continued pre-training). Heads the directory lacks keep the
+    model's normal init (seeded by the caller) and are named in one log line. The HF import lives here, not on the
+    model class: the model never imports ``export``.
 
     ``config_overrides`` replace config fields that do not change tensor shapes (e.g. dropout)."""
     config = bert_config_from_hf(hf_dir, pad_vocab_to_multiple_of, **config_overrides)
-    state = from_hf_state_dict(read_hf_state_dict(hf_dir), config, source=str(hf_dir))
+    state, absent = hf_to_pretraining_state(read_hf_state_dict(hf_dir), config, source=str(hf_dir))
     model = BertForPreTraining(config, kernels=kernels, activation_checkpointing=activation_checkpointing)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=False)
+    # Every parameter is either loaded or in a named absent group (hf_to_pretraining_state checked the names).
+    if absent:
+        log.info("--init-from-hf %s: took %d tensors; initialised (not in the checkpoint): %s",
+                          hf_dir, len(state), ", ".join(absent))
+    else:
+        log.info("--init-from-hf %s: took all %d tensors", hf_dir, len(state))
     return model
 
 
