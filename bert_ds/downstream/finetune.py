@@ -181,12 +181,13 @@ def _recorded_lowercase(directory: Path) -> bool | None:
 
 
 def _vocab_lowercase(directory: Path) -> bool | None:
-    """An uncased WordPiece vocabulary has no upper-case letter outside its special tokens."""
+    """An uncased WordPiece vocabulary has no ASCII upper-case letter outside its special tokens (Google's uncased
+    vocabulary still holds symbols such as "ℝ" that Python calls upper case)."""
     vocab = directory / "vocab.txt"
     if not vocab.is_file():
         return None
     tokens = [t for t in vocab.read_text(encoding="utf-8").split("\n") if t and not t.startswith("[")]
-    return not any(c.isupper() for t in tokens for c in t)
+    return not any("A" <= c <= "Z" for t in tokens for c in t)
 
 
 def check_casing(model_dir: str | Path, tokenizer) -> bool:
@@ -460,7 +461,8 @@ def finetune(args: FinetuneArgs) -> dict:
             model=model, args=_training_arguments(args, work, len(train)), train_dataset=train,
             data_collator=_collator(spec.shape, tokenizer), processing_class=tokenizer)
         before, after, baseline, predictions = {}, {}, {}, {}
-        if spec.shape != "qa":
+        # Before training Trainer runs DeepSpeed only as ZeRO-3 inference; under other stages that score is skipped.
+        if spec.shape != "qa" and args.deepspeed is None:
             for split in eval_names:
                 before[split] = _evaluate(trainer, spec, labels, encoded[split])
         result = trainer.train()
@@ -485,8 +487,8 @@ def finetune(args: FinetuneArgs) -> dict:
             "world_size": trainer.args.world_size,
             "args": asdict(args),
         }
+        trainer.save_model(str(work))  # every rank calls it (ZeRO-3 gathers the weights); the main process writes
         if trainer.is_world_process_zero():
-            trainer.save_model(str(work))
             (work / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n")
             if predictions:
                 (work / PREDICTIONS_NAME).write_text(json.dumps(predictions, indent=2) + "\n")
