@@ -381,6 +381,28 @@ def _flat_accuracy(gold: list[list[int]], answer: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------------- training
+def _deepspeed_config(args: FinetuneArgs, world: int) -> dict:
+    """The DeepSpeed config with its batch fields filled from the arguments (``"auto"`` or absent) or checked
+    against them: DeepSpeed asserts train_batch_size = micro batch x accumulation x ranks, and transformers' own "auto"
+    filling has been seen to leave the accumulation out of it (transformers 4.5x + accelerate 1.x)."""
+    try:
+        config = json.loads(Path(args.deepspeed).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{args.deepspeed}: not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{args.deepspeed}: a DeepSpeed config is a JSON object")
+    wanted = {"train_micro_batch_size_per_gpu": args.batch_size,
+              "gradient_accumulation_steps": args.gradient_accumulation_steps,
+              "train_batch_size": args.batch_size * args.gradient_accumulation_steps * world}
+    for key, value in wanted.items():
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+        elif config[key] != value:
+            raise ValueError(f"{args.deepspeed}: {key}={config[key]!r} but the arguments give {value} "
+                             "(--batch-size, --gradient-accumulation-steps, ranks); use \"auto\"")
+    return config
+
+
 def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int):
     import transformers
 
@@ -393,7 +415,8 @@ def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int)
         output_dir=str(work_dir), num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate,
         weight_decay=args.weight_decay, warmup_steps=int(args.warmup_fraction * steps), lr_scheduler_type="linear",
-        gradient_accumulation_steps=args.gradient_accumulation_steps, bf16=args.bf16, deepspeed=args.deepspeed,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, bf16=args.bf16,
+        deepspeed=_deepspeed_config(args, world) if args.deepspeed else None,
         seed=args.seed, logging_steps=args.logging_steps, save_strategy="no", report_to="none",
         # Under DeepSpeed the device is the DeepSpeed accelerator's (its CPU accelerator on a machine without GPUs).
         use_cpu=args.deepspeed is None and (args.device == "cpu" or not torch.cuda.is_available()),
