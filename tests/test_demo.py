@@ -28,6 +28,9 @@ SCORE_LINE = re.compile(r"held-out masked-LM accuracy of the export \((seq \d+)\
                         r"positions vs unigram baseline ([\d.]+)% \(always '(.+)'\): ([\d.]+)x\n"
                         r" +at the (\d+) \[MASK\] positions alone: ([\d.]+)% vs ([\d.]+)% \(always '(.+)'\): "
                         r"([\d.]+)x")
+GAIN_LINE = re.compile(r"^fine-tune word-order \(adjacent-word swap\): pre-trained ([\d.]+)%  random init ([\d.]+)%  "
+                       r"majority ([\d.]+)%  \(held-out median of (\d+) seeds; per seed pre-trained/random "
+                       r"([\d./, ]+)\)$", re.M)
 
 
 def test_split_corpus_holds_out_whole_documents(tmp_path):
@@ -96,6 +99,14 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert len(examples) >= 4, first.stdout[-3000:]
     assert all(len(top.split(" | ")) == 3 for _, top in examples)
     assert "sequence-length warm-up at seq 32" in first.stdout
+    # The demo ends with the pre-trained vs random-init fine-tune (quick: one seed on a small task, shape only; the
+    # full demo fails unless the export wins, and docs/demo.md has the measured figures).
+    gain = GAIN_LINE.search(first.stdout)
+    assert gain, first.stdout[-3000:]
+    pre, rnd, majority = float(gain[1]), float(gain[2]), float(gain[3])
+    assert int(gain[4]) == 1 and gain[5] == f"{pre:.1f}/{rnd:.1f}" and 35 < majority < 65, gain[0]
+    last = [line for line in first.stdout.splitlines() if line.strip()][-2:]
+    assert last[0] == gain[0] and last[1].startswith("demo finished in"), last
     assert "both phases from the warm-up's weights" in first.stdout
     for line in ("plot: ", "export: ", "run: ", "warm-up: ", "training log: "):
         assert line in first.stdout

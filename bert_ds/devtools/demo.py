@@ -16,12 +16,15 @@ Steps, each printed as it starts:
 7. the exported model's held-out masked-LM accuracy computed with transformers, next to the unigram baseline (always
    answering the most frequent masked token of the same positions), overall and at [MASK] positions alone (see
    :class:`Score`), and ``pipeline("fill-mask")`` on held-out sentences;
-8. the curves (``tools/plot_run.py``).
+8. the curves (``tools/plot_run.py``);
+9. does pre-training help? A word-order task built from the same text (``bert_ds.devtools.pretraining_gain``),
+   fine-tuned from the export and from random initialisation with the same seeds, scored on held-out sentences next
+   to the majority label; the demo's last line.
 
 Output directory (default ``demo_run/``): ``data/`` (corpus, tokenizer, shards and ``inputs.json``, what they were
 made from) is reused when a later run would make the same data and rebuilt otherwise; ``warmup_run/``,
-``warmup_export/``, ``run/``, ``export/``, ``curves.png`` and ``train.log`` are replaced by every run. A directory the
-demo did not make is never touched.
+``warmup_export/``, ``run/``, ``export/``, ``finetune/``, ``curves.png`` and ``train.log`` are replaced by every
+run. A directory the demo did not make is never touched.
 """
 
 from __future__ import annotations
@@ -200,10 +203,10 @@ def _build_data(dirs: dict[str, Path], settings: DemoSettings) -> None:
     from bert_ds.data.create import create_shards
     from bert_ds.data.tokenizer import train_tokenizer
 
-    _say(f"==> [2/8] WordPiece tokenizer ({settings.vocab_size} tokens, uncased) on the training text")
+    _say(f"==> [2/9] WordPiece tokenizer ({settings.vocab_size} tokens, uncased) on the training text")
     train_tokenizer([dirs["train"]], dirs["tokenizer"], vocab_size=settings.vocab_size)
     _say(f"    -> {dirs['tokenizer']}/vocab.txt")
-    _say(f"==> [3/8] shards: seq {settings.warmup_seq_len} (warm-up), 128 and 512 of the training text, 128 and 512 "
+    _say(f"==> [3/9] shards: seq {settings.warmup_seq_len} (warm-up), 128 and 512 of the training text, 128 and 512 "
          f"of the held-out text (static 15% masking, NSP pairs)")
     plan = [("warmup", "train", settings.warmup_seq_len, settings.dupe_factor_warmup),
             ("train128", "train", 128, settings.dupe_factor_128), ("train512", "train", 512, settings.dupe_factor_512),
@@ -461,17 +464,34 @@ def _pretrain(out: Path, dirs: dict[str, Path], quick: bool) -> Path:
         _replace(path, what)
     recipe = out / "warmup_recipe.json"
     warmup = _write_recipe(recipe, quick, WARMUP_RECIPE)
-    _say(f"==> [4/8] sequence-length warm-up at seq {warmup['phases'][0]['seq_len']} "
+    _say(f"==> [4/9] sequence-length warm-up at seq {warmup['phases'][0]['seq_len']} "
          f"({'quick: ' if quick else ''}{recipe}; from {WARMUP_RECIPE.relative_to(REPO)}), {TRAIN_RANKS} CPU ranks")
     train(_train_command(recipe, [dirs["warmup"]], [], dirs["tokenizer"], warm_run), log_path)
     _export(warm_run, warm_export)
     recipe = out / "recipe.json"
     _write_recipe(recipe, quick, DEMO_RECIPE)
-    _say(f"==> [5/8] pre-training, both phases from the warm-up's weights ({'quick: ' if quick else ''}{recipe}; from "
+    _say(f"==> [5/9] pre-training, both phases from the warm-up's weights ({'quick: ' if quick else ''}{recipe}; from "
          f"{DEMO_RECIPE.relative_to(REPO)}), ZeRO-2 + LAMB on {TRAIN_RANKS} CPU ranks")
     train(_train_command(recipe, [dirs["train128"], dirs["train512"]], [dirs["eval128"], dirs["eval512"]],
                          dirs["tokenizer"], run, ("--init-from-hf", str(warm_export))), log_path)
     return run
+
+
+def _pretraining_gain(out: Path, dirs: dict[str, Path], export_dir: Path, quick: bool):
+    """Step 9: the export vs random init, fine-tuned on the word-order task (quick: one small seed, shape only)."""
+    from bert_ds.devtools.pretraining_gain import TASK, GainSettings, compare
+
+    settings = GainSettings(n_train=160, n_eval=96, seeds=(1,), epochs=1.0) if quick else GainSettings()
+    _say(f"==> [9/9] does pre-training help? fine-tune on {TASK}: {settings.n_train} training sentences, "
+         f"{settings.n_eval} held-out, seeds {list(settings.seeds)}; the export vs the same architecture from random "
+         "init")
+    work = out / "finetune"
+    _replace(work, "fine-tuning runs")
+    with _quiet_transformers():
+        result = compare(export_dir, dirs["train"], dirs["heldout"], work, settings)
+    for seed, pre, rnd in zip(settings.seeds, result.pretrained, result.random_init, strict=True):
+        _say(f"    seed {seed}: pre-trained {100 * pre:.1f}%  random init {100 * rnd:.1f}%")
+    return result
 
 
 def run_demo(out: Path, *, quick: bool = False, settings: DemoSettings | None = None,
@@ -482,24 +502,29 @@ def run_demo(out: Path, *, quick: bool = False, settings: DemoSettings | None = 
     settings = settings or DemoSettings()
     out = Path(out)
     _own_dir(out)
-    _say("==> [1/8] corpus: English text on this machine (/usr/share/common-licenses, Python stdlib docstrings)")
+    _say("==> [1/9] corpus: English text on this machine (/usr/share/common-licenses, Python stdlib docstrings)")
     dirs = prepare_data(out, settings)
     export_dir, png, log_path = out / "export", out / "curves.png", out / "train.log"
     run = _pretrain(out, dirs, quick)
-    _say("==> [6/8] Hugging Face export")
+    _say("==> [6/9] Hugging Face export")
     _export(run, export_dir)
-    _say("==> [7/8] the export under transformers: held-out accuracy and fill-mask")
+    _say("==> [7/9] the export under transformers: held-out accuracy and fill-mask")
     scores = export_scores(export_dir, {"seq 128": dirs["eval128"], "seq 512": dirs["eval512"]})
     _report(scores, fill_mask_examples(export_dir, dirs["heldout"], dirs["train"]))
-    _say("==> [8/8] curves")
+    _say("==> [8/9] curves")
     _plot(run, png)
+    gain = _pretraining_gain(out, dirs, export_dir, quick)
     _say(f"\ndone. run: {run}/ (checkpoints/, tensorboard/: `tensorboard --logdir {run / 'tensorboard'}`)\n"
          f"      warm-up: {out / 'warmup_run'}/, its export {out / 'warmup_export'}/\n"
          f"      training log: {log_path}\n      plot: {png}\n      export: {export_dir}/ "
-         f"(transformers: BertForPreTraining / AutoModelForMaskedLM / pipeline('fill-mask'))")
+         f"(transformers: BertForPreTraining / AutoModelForMaskedLM / pipeline('fill-mask'))\n"
+         f"      fine-tuning runs: {out / 'finetune'}/")
+    _say(gain.line())
     weak = [s for s in scores if min_ratio is not None and s.ratio < min_ratio]
     if weak:
         raise DemoError("the export did not learn enough: " + "; ".join(
             f"{s.name}: {100 * s.accuracy:.1f}% is {s.ratio:.2f}x the baseline, below {min_ratio}x"
             for s in weak))
+    if min_ratio is not None and not gain.helps:
+        raise DemoError(f"pre-training did not help the fine-tuned task: {gain.line()}")
     return scores
