@@ -132,13 +132,12 @@ def read_glue_tsv(spec: TaskSpec, path: str | Path, labelled: bool | None = None
     layout = _choose_glue_layout(spec, path, first[1])
     has_label = layout.label is not None
     if labelled is not None and labelled != has_label:
-        kind = "labelled (train/dev)" if labelled else "unlabelled (test)"
-        raise DownstreamInputError(path, 1, 1, f"expected a {kind} {spec.name} file, got the other layout")
-    names = layout.names
-    index = {name: i for i, name in enumerate(names)} if layout.header is None else \
-        {name: i for i, name in enumerate(first[1].split("\t"))}
-    width = len(names) if layout.header is None else len(first[1].split("\t"))
-    header_names = names if layout.header is None else tuple(first[1].split("\t"))
+        kind = "a labelled (train/dev)" if labelled else "an unlabelled (test)"
+        raise DownstreamInputError(path, 1, 1, f"expected {kind} {spec.name} file, got the other layout")
+    # Columns by name: the file's own header (MNLI dev has more annotator columns than train), or CoLA's positions.
+    header_names = layout.names if layout.header is None else tuple(first[1].split("\t"))
+    index = {name: i for i, name in enumerate(header_names)}
+    width = len(header_names)
     body = lines if layout.header is not None else _chain(first, lines)
     records, dropped = [], []
     for number, text in body:
@@ -175,10 +174,6 @@ def _chain(first, rest):
 
 
 # --------------------------------------------------------------------------------------------------- SQuAD JSON
-def _json_error_location(exc: json.JSONDecodeError) -> tuple[int, int]:
-    return exc.lineno, exc.colno
-
-
 class _Locator:
     """Line numbers of JSON string values, found by searching the text for them (json.loads keeps no positions).
     Values are looked up in file order, so each search starts where the previous one ended: linear in the file."""
