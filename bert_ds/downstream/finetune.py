@@ -409,6 +409,12 @@ def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no GPU; use --device cpu or auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.deepspeed and world > 1 and not torch.distributed.is_initialized():
+        # Without a process group already up, accelerate (under TrainingArguments) counts one process on CPU ranks
+        # and fills DeepSpeed's batch as if alone; DeepSpeed then asserts. Start it as DeepSpeed would (gloo on CPU).
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     batches = math.ceil(train_examples / (args.batch_size * world)) / args.gradient_accumulation_steps
     steps = math.ceil(math.ceil(batches) * args.epochs)
     return transformers.TrainingArguments(
