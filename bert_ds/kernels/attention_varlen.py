@@ -212,14 +212,16 @@ def _varlen_bwd_dkdv_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         p = tl.where(row_ok[:, None] & col_ok[None, :], p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         if DROPOUT:  # as the padded kernel: Z and 1/(1-p) on P in dV and on dO V^T; dS keeps the undropped P
+            # dO V^T first: this order compiled without spills (the other spilled on sm_90, tests/kernels/test_sass.py)
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
             keep = dropout_keep(seed_lo, seed_hi, dropout_p, b, h, rows, cols)
             dv += tl.dot(tl.trans(tl.where(keep, p, 0.0).to(Q.dtype.element_ty).to(DOT_DTYPE)), do,
                          input_precision=INPUT_PRECISION)
             dp = tl.where(keep, dp * rp, 0.0)
         else:
             dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(Q.dtype.element_ty).to(DOT_DTYPE)), q, input_precision=INPUT_PRECISION)
     if DROPOUT:
