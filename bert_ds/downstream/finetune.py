@@ -409,12 +409,6 @@ def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no GPU; use --device cpu or auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.deepspeed and world > 1 and not torch.distributed.is_initialized():
-        # Without a process group already up, accelerate (under TrainingArguments) counts one process on CPU ranks
-        # and fills DeepSpeed's batch as if alone; DeepSpeed then asserts. Start it as DeepSpeed would (gloo on CPU).
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     batches = math.ceil(train_examples / (args.batch_size * world)) / args.gradient_accumulation_steps
     steps = math.ceil(math.ceil(batches) * args.epochs)
     return transformers.TrainingArguments(
@@ -424,8 +418,9 @@ def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int)
         gradient_accumulation_steps=args.gradient_accumulation_steps, bf16=args.bf16,
         deepspeed=_deepspeed_config(args, world) if args.deepspeed else None,
         seed=args.seed, logging_steps=args.logging_steps, save_strategy="no", report_to="none",
-        # Under DeepSpeed the device is the DeepSpeed accelerator's (its CPU accelerator on a machine without GPUs).
-        use_cpu=args.deepspeed is None and (args.device == "cpu" or not torch.cuda.is_available()),
+        use_cpu=args.device == "cpu" or not torch.cuda.is_available(),
+        # CPU ranks (tests, a machine without GPUs) talk over gloo; accelerate counts them from WORLD_SIZE.
+        ddp_backend=None if torch.cuda.is_available() and args.device != "cpu" else "gloo",
         disable_tqdm=True, ddp_find_unused_parameters=False)
 
 
