@@ -73,7 +73,8 @@ def test_squad_layout_beats_baseline(hub_bert, corpus_documents, tmp_path, versi
     out = tmp_path / "qa"
     assert main(["--model", str(hub_bert), "--task", task, "--data-dir", str(tmp_path / "squad"),
                  "--out", str(out), "--epochs", "2", "--learning-rate", "1e-4", "--device", "cpu",
-                 "--max-seq-length", "96", "--doc-stride", "32", "--batch-size", "16", "--logging-steps", "5"]) == 0
+                 "--max-seq-length", "128", "--max-query-length", "48", "--doc-stride", "32", "--batch-size", "16",
+                 "--logging-steps", "5"]) == 0
     metrics = json.loads((out / METRICS_NAME).read_text())
     predictions = json.loads((out / PREDICTIONS_NAME).read_text())["dev"]
     examples = read_split(task, dev)

@@ -29,7 +29,7 @@ def test_conll_layout_entity_f1(hub_bert, corpus_documents, tmp_path):
     data = write_conll(corpus_documents, tmp_path / "conll", n_train=192, n_dev=64)
     out = tmp_path / "ner"
     assert main(["--model", str(hub_bert), "--task", "conll2003", "--data-dir", str(data), "--out", str(out),
-                 "--epochs", "2", "--learning-rate", "1e-4", "--device", "cpu", "--max-seq-length", "64",
+                 "--epochs", "4", "--learning-rate", "2e-4", "--device", "cpu", "--max-seq-length", "64",
                  "--batch-size", "16", "--logging-steps", "5"]) == 0
     metrics = json.loads((out / METRICS_NAME).read_text())
     dev, base = metrics["eval"]["dev"], metrics["baseline"]["dev"]
