@@ -420,7 +420,7 @@ def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int)
         seed=args.seed, logging_steps=args.logging_steps, save_strategy="no", report_to="none",
         use_cpu=args.device == "cpu" or not torch.cuda.is_available(),
         # CPU ranks (tests, a machine without GPUs) talk over gloo; accelerate counts them from WORLD_SIZE.
-        ddp_backend=None if torch.cuda.is_available() and args.device != "cpu" else "gloo",
+        ddp_backend="gloo" if world > 1 and (args.device == "cpu" or not torch.cuda.is_available()) else None,
         disable_tqdm=True, ddp_find_unused_parameters=False)
 
 
