@@ -55,7 +55,15 @@ class _Guarded(Dataset):
 
 
 def _init_worker(slots, worker_id: int) -> None:
-    """Point the worker's reader at its (pid, shard, index) slot in shared memory: what it was reading if it dies."""
+    """Point the worker's reader at its (pid, shard, index) slot in shared memory: what it was reading if it dies.
+
+    The worker ignores SIGTERM, SIGINT and SIGUSR1: Slurm pre-emption, scancel, systemd and ``docker stop`` signal
+    the whole process group, and a worker killed by it makes its rank fail ("a DataLoader worker died") before the
+    rank's step-boundary checkpoint. Shutdown is the rank's: torch stops workers through their queues, and a worker
+    whose rank is gone exits by itself (torch's worker loop watches its parent).
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     view = np.frombuffer(slots, dtype=np.int64)[3 * worker_id:3 * worker_id + 3]
     view[:] = (os.getpid(), -1, -1)
     torch.utils.data.get_worker_info().dataset.inner.collate.reader.reading = view[1:]

@@ -207,8 +207,15 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
         check_master_addr(os.environ)
     wait_for_extension_builds()  # DeepSpeed's backend builds its shm extension here on CPU, under a lock
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port,
-                               **timeout)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port,
+                                   **timeout)
+    except RuntimeError as exc:  # torch's DistNetworkError: rank 0's TCPStore server could not listen
+        if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc).lower():
+            raise
+        raise ValueError(f"MASTER_PORT={os.environ.get('MASTER_PORT', port)} is already in use on "
+                         f"{socket.gethostname()} (another job or process group listens there); export MASTER_PORT "
+                         f"as a free port (deepspeed --master_port N)") from None
     return dist.get_rank(), dist.get_world_size()
 
 
