@@ -149,16 +149,10 @@ def test_usr1_checkpoints_exits_75_requeues_and_resumes_exactly(job_inputs, tmp_
     _assert_bit_identical(run, job_inputs[3], "USR1 -> exit 75 -> scontrol requeue -> resume")
 
 
-# Known gap (reported; in the loader/trainer owners' files): Slurm's TERM reaches every process of the step, the ranks'
-# DataLoader worker processes too, which die of it (default action), so the rank stops with a LoaderWorkerError (exit 1)
-# instead of checkpointing and exiting 75. Workers that ignore TERM and USR1 (worker_init_fn) would let the rank handle
-# it. Strict: the mark must go once the workers survive.
-WORKERS_DIE_OF_TERM = pytest.mark.xfail(strict=True, reason="DataLoader workers die of the step's SIGTERM (exit 1, "
-                                                            "no pre-emption checkpoint)")
-
-
 @needs_slurm
-@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=WORKERS_DIE_OF_TERM)])
+# workers=1: the loader workers ignore the TERM Slurm sends every process of the step (worker init), so the rank
+# checkpoints instead of failing with "a DataLoader worker died".
+@pytest.mark.parametrize("workers", [0, 1])
 def test_term_only_without_scontrol_follow_up_job_resumes_exactly(job_inputs, tmp_path, workers):
     run = tmp_path / "run"
     # A "container" without scontrol: the script neither requeues nor expands the node list with it.
