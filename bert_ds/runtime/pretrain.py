@@ -38,9 +38,11 @@ import argparse
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.data.loader import LoaderWorkerError
@@ -130,10 +132,26 @@ def run(plan: RunPlan) -> int:
             run_lock.release()
 
 
+def _check_output(output: str) -> None:
+    """Refuse an ``--output`` that can never hold a run before any rank starts: a file, or a directory (or its nearest
+    existing ancestor) on a read-only file system or not writable (else a traceback from the lock's mkdir, exit 1)."""
+    run_dir = Path(output)
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--output {output}: {existing} is a file, not a directory; name a run directory")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise ValueError(f"--output {output}: {existing} is on a read-only file system; name a writable run directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output}: {existing} is not writable by this user; name a writable run directory")
+
+
 def train(args: argparse.Namespace) -> int:
     """Run (or resume) the phases ``args`` select; returns the exit code."""
     from bert_ds.runtime.distributed import init_distributed, release_shm_buffers
 
+    _check_output(args.output)
     recipe = load_recipe(args.recipe)
     rank, world_size = init_distributed(recipe.deepspeed.process_group_timeout_s)
     try:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import HANG_GUARD_S, child_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,3 +35,36 @@ def test_master_port_in_use_is_one_line_exit_2(tmp_path):
                       f"{socket.gethostname()} (another job or process group listens there); export MASTER_PORT as "
                       f"a free port (deepspeed --master_port N)"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+def test_output_that_is_a_file_is_one_line_exit_2(tmp_path):
+    output = tmp_path / "run"
+    output.write_text("not a run directory\n")
+    line = _one_error(_pretrain(tmp_path, output))
+    assert line == (f"bert_ds.runtime.pretrain: error: --output {output}: {output} is a file, not a directory; name "
+                    f"a run directory")
+    assert output.read_text() == "not a run directory\n"
+
+
+def test_output_on_a_read_only_file_system_is_one_line_exit_2(tmp_path):
+    """A real read-only mount (tmpfs, ro): needs root to mount; skipped elsewhere."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True,
+                             timeout=60)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        line = _one_error(_pretrain(tmp_path, mnt / "run"))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=60)
+    assert line == (f"bert_ds.runtime.pretrain: error: --output {mnt / 'run'}: {mnt} is on a read-only file system; "
+                    f"name a writable run directory")
