@@ -314,7 +314,9 @@ def gradient_accumulation_steps(phase: PhaseConfig, world_size: int, where: str 
 # Fields that may change between a checkpoint and its resume without changing the numbers the run produces.
 _RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointing",
                 "deepspeed.process_group_timeout_s"}
-_PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy"}
+# ``lr`` is resume-free so that the non-finite guard's advice (lower the phase's lr, resume) works: a resumed phase
+# scales its restored schedule to the new peak and logs a warning (bert_ds.runtime.trainer._restore).
+_PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy", "lr"}
 # Phase fields added after checkpoints were first written: a saved recipe without them used these values.
 _PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8, "schedule_steps": None}
 # Optimizer fields added later: recipes saved before ``trust_ratio`` existed applied the trust ratio to every tensor.

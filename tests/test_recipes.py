@@ -49,8 +49,10 @@ def test_shipped_recipe_is_valid(path, monkeypatch):
     saved = json.loads(json.dumps(recipe.to_dict()))
     assert Recipe.from_dict(saved, source=str(path)).to_dict() == recipe.to_dict()
     assert resume_blockers(saved, recipe) == []
-    saved["phases"][-1]["lr"] *= 2
-    assert resume_blockers(saved, recipe) == [f"phases[{len(recipe.phases) - 1}].lr"]
+    saved["phases"][-1]["lr"] *= 2  # the non-finite guard's advice: lower the lr and resume (a warning, no blocker)
+    assert resume_blockers(saved, recipe) == []
+    saved["phases"][-1]["warmup_fraction"] = 0.5 if recipe.phases[-1].warmup_fraction != 0.5 else 0.25
+    assert resume_blockers(saved, recipe) == [f"phases[{len(recipe.phases) - 1}].warmup_fraction"]
 
 
 def test_bert_large_is_the_nvidia_lamb_recipe():
@@ -161,7 +163,7 @@ def test_resume_blockers_name_fields():
     changed["phases"][0]["micro_batch_size"] = 2  # does not matter (accumulation absorbs it)
     changed["phases"][0]["checkpoint_interval"] = 5  # does not matter
     changed["deepspeed"]["process_group_timeout_s"] = 3600  # does not matter
-    assert resume_blockers(saved.to_dict(), Recipe.from_dict(changed)) == ["optimizer.weight_decay", "phases[1].lr"]
+    assert resume_blockers(saved.to_dict(), Recipe.from_dict(changed)) == ["optimizer.weight_decay"]
 
 
 def test_masked_lm_prob_needs_dynamic_masking(tmp_path):

@@ -242,6 +242,27 @@ def _build_loaders(plan: RunPlan, p: int):
     return loader, eval_loader
 
 
+def _apply_changed_lr(plan: RunPlan, ph: _Phase, saved: dict, tag: str) -> None:
+    """A resume with a changed ``phases[p].lr`` (the non-finite guard's advice): the restored LambdaLR carries the
+    saved peak in ``base_lrs``, so rescale it to the recipe's and set the next step's lr from the same point of the
+    schedule (warmup/decay position kept)."""
+    p = ph.index
+    before = float(saved["recipe"]["phases"][p]["lr"])
+    now = plan.recipe.phases[p].lr
+    if before == now:
+        return
+    if plan.rank == 0:
+        log.warning("resuming %s with phases[%d].lr=%g (checkpoint was made with %g): the schedule continues from "
+                    "step %d at the new peak", tag, p, now, before, ph.step)
+    scheduler = ph.te.scheduler
+    scheduler.base_lrs = [now for _ in scheduler.base_lrs]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler._last_lr = [now * factor for _ in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr, strict=True):
+        group["lr"] = lr
+        group["initial_lr"] = now
+
+
 def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
     """Mid-phase resume: engine and (same rank count) each rank's random streams from the checkpoint, then the loader
     position."""
@@ -250,6 +271,7 @@ def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
     saved = restored.run_state
     ph.loader.load_state_dict(saved["loader"])
     ph.consumed = saved["consumed_samples"]
+    _apply_changed_lr(plan, ph, saved, tag)
     if not restored.rng_restored:  # another rank count: dropout does not need per-rank streams (DropoutKey)
         seed_everything(plan.recipe.seed + 1000 * p + 7919 * start.step + plan.rank)
     log.info("resumed %s: phase %d step %d, %d samples consumed (saved on %d ranks, now %d)", tag, p + 1,
@@ -324,19 +346,45 @@ def _max_steps_reached(plan: RunPlan, ph: _Phase) -> bool:
     return max_steps is not None and plan.first_step_of(ph.index) + ph.step >= max_steps
 
 
+def _logits_finite(te) -> bool:
+    """Whether the current weights give finite MLM and NSP logits on a fixed probe sequence, agreed by all ranks (one
+    all-reduce). Evaluation mode under no_grad: no dropout draw, so the random streams (and exact resume) are
+    untouched."""
+    import deepspeed.comm as dist
+
+    module = te.engine.module
+    config = module.config
+    n = min(32, config.max_position_embeddings)
+    ids = (torch.arange(n, device=te.engine.device) * 7919 % config.vocab_size).unsqueeze(0)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            mlm, nsp = module.logits(ids, torch.zeros_like(ids), torch.ones_like(ids))
+            bad = (~(mlm.isfinite().all() & nsp.isfinite().all())).double().reshape(1)
+    finally:
+        module.train(was_training)
+    dist.all_reduce(bad)
+    return bad.item() == 0
+
+
 def _checkpoint_and_stop(plan: RunPlan, ph: _Phase, rec: StepRecord, metrics, done: bool) -> int | None:
     """Save when the phase ends, on pre-emption, at ``--max-steps`` and at the checkpoint interval; returns the
     exit code to stop with (0 or 75), or None to go on."""
     phase = plan.recipe.phases[ph.index]
     capped = _max_steps_reached(plan, ph)
     must_save = done or rec.preempt_requested or capped
-    if must_save and not rec.saveable:
+    due = must_save or bool(phase.checkpoint_interval and ph.step % phase.checkpoint_interval == 0)
+    # Finite weights are not enough: an lr far too high leaves huge finite weights whose logits overflow to NaN (the
+    # next step's loss shows it, after they were saved and older tags pruned). Probe the forward before any save.
+    saveable = rec.saveable and (not due or _logits_finite(ph.te))
+    if must_save and not saveable:
         # The phase end (or stop) would hand on weights no finite update produced; never save those.
         raise NonFiniteLossError(
-            f"phase {ph.index + 1} stops at step {ph.step} with non-finite weights or update (loss {rec.loss}); last "
-            f"good checkpoint: {ph.last_good or 'none'} in {plan.ckpt_dir}. Lower phases[{ph.index}].lr or check the "
-            f"data; resume with --resume auto.")
-    if rec.saveable and (must_save or (phase.checkpoint_interval and ph.step % phase.checkpoint_interval == 0)):
+            f"phase {ph.index + 1} stops at step {ph.step} with non-finite weights, update or logits (loss "
+            f"{rec.loss}); last good checkpoint: {ph.last_good or 'none'} in {plan.ckpt_dir}. Lower "
+            f"phases[{ph.index}].lr or check the data; resume with --resume auto.")
+    if saveable and due:
         _save(plan, ph, metrics, done)
     if rec.preempt_requested:
         if plan.rank == 0:

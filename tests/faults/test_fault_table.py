@@ -558,7 +558,8 @@ def phase2_without_checkpoint(ctx: Ctx) -> Launch:
 
 def resume_changed_recipe(ctx: Ctx) -> Launch:
     ctx.copy_trained_run()
-    recipe = fault_recipe(ctx.tmp / "changed.json", **{"phases.0.lr": 3e-2})
+    # Not the lr: a changed lr resumes (with a warning), the non-finite guard's advice.
+    recipe = fault_recipe(ctx.tmp / "changed.json", **{"phases.0.warmup_fraction": 0.5})
     return Launch(rank_command(1, ctx.args("--resume", "auto", recipe=recipe)))
 
 
@@ -685,8 +686,9 @@ CASES = [
          r"{culprit}", lambda ctx, out: _nothing_written(ctx.run)),
     Case("phase2-without-checkpoint", "input", "--phase 2 on an empty --output", phase2_without_checkpoint, 2,
          r"--phase 2 starts from phase 1's final checkpoint", lambda ctx, out: _nothing_written(ctx.run)),
-    Case("resume-changed-recipe", "input", "--resume auto with phases[0].lr changed", resume_changed_recipe, 2,
-         r"different recipe; field\(s\) \['phases\[0\]\.lr'\] differ", check_run_unchanged),
+    Case("resume-changed-recipe", "input", "--resume auto with phases[0].warmup_fraction changed",
+         resume_changed_recipe, 2, r"different recipe; field\(s\) \['phases\[0\]\.warmup_fraction'\] differ",
+         check_run_unchanged),
     Case("batch-not-divisible", "input", "global batch 4 with micro batch 4 on 2 ranks", batch_not_divisible, 2,
          r"phases\[0\]\.global_batch_size=4 is not divisible by phases\[0\]\.micro_batch_size=4 x world size 2",
          lambda ctx, out: _nothing_written(ctx.run)),
