@@ -48,9 +48,13 @@ class Preemption:
     """The last such signal this process received (read by the entry point to explain a failure it caused)."""
 
     def __init__(self) -> None:
+        from bert_ds.runtime.watchdog import watch_runner
+
         self.requested = False
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
+        # SIGTERM to the deepspeed runner alone is not forwarded to the ranks (bert_ds.runtime.watchdog).
+        watch_runner(lambda: self._handler(signal.SIGTERM, None))
 
     def _handler(self, signum, frame) -> None:
         self.requested = True

@@ -78,3 +78,34 @@ def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, s
         lost = f"nothing: {tag} written; resumed to {FINAL_TAG} bit-identical to the uninterrupted run (dropout 0.1)"
     finally:
         report_row("group-sigterm-workers", "4", out, message, lost)
+
+
+def _sigterm_runner(launcher: psutil.Process) -> str:
+    launcher.send_signal(signal.SIGTERM)
+    return f"SIGTERM to the deepspeed runner only (pid {launcher.pid}); DeepSpeed does not forward it"
+
+
+def test_sigterm_to_the_runner_alone_checkpoints_exits_75_no_orphans(shards_128, shards_512, tokenizer_dir,
+                                                                     tmp_path):
+    """The ranks notice their runner is gone (bert_ds.runtime.watchdog), checkpoint and exit 75: nothing of the
+    tree (launch.py, ranks, loader workers) outlives the harness's grace period."""
+    run = tmp_path / "run"
+    recipe = fault_recipe(tmp_path / "recipe.json")
+    args = _args(recipe, shards_128, shards_512, tokenizer_dir, run, "--num-workers", "1")
+    out = execute(Launch(rank_command(2, args), Trigger(r"^step 3 \|", _sigterm_runner)))
+    # Polled about once a second: the tiny recipe runs several steps (possibly into phase 2) before the ranks notice.
+    message = out.first_line(r"pre-empted: checkpointed at phase \d step \d+")
+    lost = "not checked (an assertion above failed)"
+    try:
+        assert out.fault is not None, out.text()[-4000:]
+        assert message is not None, out.text()[-4000:]
+        assert "the deepspeed runner (pid" in out.text(), out.text()[-4000:]
+        assert re.search(r"exits with return code = 75", out.text()), out.text()[-4000:]
+        phase, step = map(int, re.search(r"phase (\d) step (\d+)", message).groups())
+        tag = f"phase{phase}-step{step:06d}"
+        assert ckpt.read_latest(run / "checkpoints") == tag
+        assert not out.survivors, f"orphans: {out.survivors}"
+        lost = f"nothing: {tag} written and loads; no orphan process"
+        assert all(torch.isfinite(t).all() for t in weights(run, tag).values())
+    finally:
+        report_row("runner-sigterm", "4", out, message, lost)
