@@ -10,7 +10,9 @@ records the death. Each pool has its own ``torch.Generator``, so iterating never
 
 from __future__ import annotations
 
+import atexit
 import functools
+import multiprocessing
 import multiprocessing.sharedctypes
 import os
 import re
@@ -83,6 +85,7 @@ def _from_workers(dataset: Dataset, indices: Iterator[int] | Sampler, num_worker
     watch = (slots, dataset.collate.reader)
     _WATCHED[id(watch)] = watch
     _record_worker_deaths()
+    _stop_workers_at_exit()
     try:
         while True:
             raise_if_worker_died()
@@ -165,6 +168,32 @@ def _record_worker_deaths() -> None:
 
     signal.signal(signal.SIGCHLD, handler)
     _SIGCHLD_WRAPPED = True
+
+
+_EXIT_HOOKED = False
+
+
+def _stop_workers_at_exit() -> None:
+    """At interpreter exit, SIGKILL the workers of every pool still open (a rank leaving on an error while a pool's
+    iterator is suspended in a traceback): they ignore SIGTERM (:func:`_init_worker`), so multiprocessing's own exit
+    hook, which terminates daemonic children with SIGTERM and then joins them, would wait for them forever. Registered
+    after multiprocessing's hook, so it runs first (atexit is last in, first out). Workers hold nothing to save."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        atexit.register(_kill_open_pools)
+        _EXIT_HOOKED = True
+
+
+def _kill_open_pools() -> None:
+    ours = {int(pid) for slots, _ in _WATCHED.values() for pid in np.frombuffer(slots, dtype=np.int64)[0::3] if pid}
+    if not ours:
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # these deaths are ours, not a failure to report
+    for child in multiprocessing.active_children():
+        if child.pid in ours:
+            child.kill()
+            child.join()
 
 
 def _identity(batch):

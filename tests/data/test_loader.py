@@ -370,3 +370,39 @@ def test_a_dead_worker_is_recorded_then_raised_at_the_step_boundary(data, tmp_pa
         raise_if_worker_died()
     raise_if_worker_died()  # reported once
     stream.close()
+
+
+_EXIT_MID_EPOCH = """\
+import sys
+from bert_ds.data.loader import build_loader
+loader = build_loader(sys.argv[1], global_batch_size=64, micro_batch_size=16, rank=0, world_size=1, num_workers=2)
+stream = iter(loader)
+next(stream)
+print("workers", *sorted(c.pid for c in __import__("multiprocessing").active_children()), flush=True)
+raise SystemExit("a rank's one-line error while its loader is mid-epoch")
+"""
+
+
+def test_exit_mid_epoch_stops_the_workers(data, tmp_path):
+    """Workers ignore SIGTERM (a group SIGTERM must not kill them before the rank's checkpoint); a rank that exits
+    while a pool is open still ends, and its workers with it (multiprocessing's exit hook alone would wait on them)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import HANG_GUARD_S, child_env
+    from tests.helpers.ranks import REPO
+
+    script = tmp_path / "exit_mid_epoch.py"
+    script.write_text(_EXIT_MID_EPOCH)
+    proc = subprocess.run([sys.executable, str(script), str(data)], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 1 and "mid-epoch" in proc.stderr, proc.stderr[-3000:]
+    pids = [int(p) for p in proc.stdout.split()[1:]]
+    assert len(pids) == 2, proc.stdout
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"loader worker {pid} outlived its rank")
