@@ -1,6 +1,6 @@
 """Phase 1 of any recipe through bert_ds's real engine (``build_engine``: its optimizer, ZeRO stage, overlap_comm,
-schedule), one DeepSpeed CPU rank (gloo) per process; spawned by ``tests/optim/test_adamw_engine.py`` and
-``tests/optim/test_adamw_engine.py`` through ``tests.helpers.lamb_harness.run_ranks``. Not a test module.
+schedule), one DeepSpeed CPU rank (gloo) per process; spawned by ``tests/optim/test_adamw_engine.py``
+through ``tests.helpers.lamb_harness.run_ranks``. Not a test module.
 
 Runs ``--steps`` optimizer steps of phase 1 of ``--recipe`` on ``--data`` and, on rank 0, writes ``<out>/params.pt``
 (fp64 copies of the final weights) and ``<out>/losses.json`` (each step's loss, averaged over micro batches and
