@@ -7,17 +7,13 @@ tests.helpers.lamb_harness`` is one of its ranks)."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tests.helpers import HANG_GUARD_S, child_env
+from tests.helpers.ranks import run_module_ranks as run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 ZERO_WORKER = "tests.helpers.lamb_zero_worker"
 ENGINE_WORKER = "tests.helpers.lamb_engine_worker"
 PRECISION_WORKER = "tests.helpers.lamb_harness"  # this module is the worker of launch_precision_runs
@@ -145,41 +141,6 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[n].detach().double() - b[n].detach().double()).abs().max() / b[n].detach().double().abs().max())
                for n in a)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world_size: int, out_dir: Path, module: str, args: list[str]) -> None:
-    """Run ``python -m module args`` on ``world_size`` CPU ranks (gloo), one process per rank; raise with the failed
-    ranks' log tails. Ranks are spawned directly with the torch.distributed env variables (what the ``deepspeed``
-    launcher sets) to keep runs short on a shared 2-core machine."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
-        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, "-m", module, *args]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-    try:
-        for p, _ in procs:
-            p.wait(timeout=HANG_GUARD_S)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
-    if failed:
-        logs = "\n".join((out_dir / f"rank{r}.log").read_text()[-3000:] for r in failed)
-        raise RuntimeError(f"ranks {failed} failed:\n{logs}")
 
 
 def launch(world_size: int, out_dir: Path, jobs: list[str], steps: int = 20, ckpt_from: Path | None = None) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 
-__all__ = ["DEEPSPEED", "PRETRAIN_SCRIPT", "REPO", "VENV_BIN", "rank_command", "run_ranks"]
+__all__ = ["DEEPSPEED", "PRETRAIN_SCRIPT", "REPO", "VENV_BIN", "rank_command", "run_module_ranks", "run_ranks"]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -41,3 +41,32 @@ def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = Fa
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_module_ranks(world_size: int, out_dir: Path, module: str, args: list[str]) -> None:
+    """Run ``python -m module args`` on ``world_size`` CPU ranks (gloo), one process per rank; raise with the failed
+    ranks' log tails. Ranks are spawned directly with the torch.distributed env variables (what the ``deepspeed``
+    launcher sets) to keep runs short on a shared 2-core machine."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, "-m", module, *args]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
+    try:
+        for p, _ in procs:
+            p.wait(timeout=HANG_GUARD_S)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        logs = "\n".join((out_dir / f"rank{r}.log").read_text()[-3000:] for r in failed)
+        raise RuntimeError(f"ranks {failed} failed:\n{logs}")

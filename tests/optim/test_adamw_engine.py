@@ -23,7 +23,7 @@ from bert_ds.data.loader import build_loader
 from bert_ds.optim import param_groups, warmup_poly_decay
 from bert_ds.recipe import Recipe
 from bert_ds.runtime.engine import build_model
-from tests.helpers.lamb_harness import run_ranks
+from tests.helpers.ranks import run_module_ranks as run_ranks
 from tests.helpers.recipe_engine_worker import MODEL_INPUTS
 from tests.helpers.runs import param_diffs
 
