@@ -252,3 +252,25 @@ def test_shipped_recipes_use_nvidia_convention(name):
 
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "ds_configs" / f"{name}.json")
     assert recipe.optimizer.name == "lamb" and recipe.optimizer.trust_ratio == "decay_only"
+
+
+def test_trust_ratio_norms_exact_on_word_embedding_sized_tensors():
+    """The trust ratio's norms on a tensor the size of a word-embedding matrix (30,522 x 256 = 7.8M elements): torch's
+    fp32 CPU norm drifts with length (4e-4 on the squared norm here, 1.7e-3 on the trust ratio), which scales the whole
+    tensor's step. Both paths (per tensor, and per segment of a ZeRO flat partition) must stay at float64 accuracy."""
+    from bert_ds.optim.lamb import segment_sq_norms
+
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(30_522 * 256, generator=gen) * 0.02
+    g = torch.randn(w0.numel(), generator=gen) * 1e-3
+    lengths = [w0.numel() - 1_000_000, 999_000, 1_000]
+    want = torch.stack([v.double().square().sum() for v in torch.split(w0, lengths)])
+    assert ((segment_sq_norms(w0, lengths) / want - 1).abs().max()) < 1e-9
+
+    w = nn.Parameter(w0.clone())
+    w.grad = g.clone()
+    ZeroAwareLamb([w], lr=0.1, weight_decay=0.01, trust_ratio="all").step()
+    u = g.double() / (g.double().abs() + 1e-6) + 0.01 * w0.double()  # step 1 from zero moments (bias-corrected)
+    ratio = w0.double().norm() / u.norm()
+    moved = (w0.double() - w.detach().double()) / (0.1 * u)
+    assert abs(moved.median().item() / ratio.item() - 1) < 1e-6
