@@ -1,125 +1,14 @@
 #!/usr/bin/env python
-"""One benchmark command: every performance figure beside its baseline, measured in the same run.
+"""Every performance figure beside its baseline, measured in the same run: thin CLI over
+``bert_ds.devtools.benchmarks.cli.main`` (installed as ``bert-ds-benchmark``).
 
-    python tools/benchmark.py                               # all sections -> benchmark.json, table, BENCHMARKS.md
-    python tools/benchmark.py --only step flops             # some sections
-    python tools/benchmark.py --quick --markdown ''         # a small smoke run (what the test suite runs)
-
-Sections: ``step`` (a BERT-base training step, bert_ds vs transformers, seq 128 and 512 on real shard batches),
-``flops`` (the analytic count vs FlopCounterMode), ``zero`` (ZeRO-1/2 optimizer state per rank on 1, 2, 4 real
-DeepSpeed ranks), ``create`` (tools/bench_create.py), ``loader`` (tools/bench_loader.py), ``tta`` (time to a held-out
-masked-LM accuracy on the demo setting, bert_ds vs a plain transformers + PyTorch loop). The real-text shard sets are
-the demo's (``make demo``'s data): built under ``--work`` when missing, reused after.
+    python tools/benchmark.py [--only step flops zero create loader tta] [--quick] [--out benchmark.json] \\
+        [--markdown BENCHMARKS.md] [--update]
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import shlex
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bert_ds.devtools.benchmarks.report import machine, render  # noqa: E402
-
-SECTIONS = ("step", "flops", "zero", "create", "loader", "tta")
-
-
-def _data(args) -> dict[str, Path]:
-    if args.shards128 and args.shards512:
-        return {"train128": args.shards128, "train512": args.shards512}
-    from bert_ds.devtools.demo import DemoSettings, prepare_data
-
-    return prepare_data(args.work, DemoSettings())
-
-
-def _tool_json(tool: str, extra: list[str]) -> object:
-    with tempfile.TemporaryDirectory(prefix="bert_ds_bench_") as tmp:
-        out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, str(REPO / "tools" / tool), *extra, "--json", str(out)], check=True,
-                       cwd=REPO)
-        return json.loads(out.read_text())
-
-
-def run(args) -> dict:
-    from bert_ds.devtools.benchmarks.flops import flop_check
-    from bert_ds.devtools.benchmarks.step import step_benchmark
-    from bert_ds.devtools.benchmarks.zero_state import zero_state_bytes
-
-    results: dict = {"machine": machine()}
-    need_data = set(args.only) & {"step", "flops", "loader", "tta"}
-    data = _data(args) if need_data else {}
-    preset = "tiny" if args.quick else "base"
-    if "step" in args.only:
-        for seq, batch, repeats in ((128, 8, args.repeats), (512, 8, args.repeats)):
-            print(f"==> step, seq {seq}: bert_ds vs transformers, BERT-{preset}, batch {batch}, {repeats} repeats",
-                  flush=True)
-            results[f"step{seq}"] = step_benchmark(data[f"train{seq}"], preset=preset, batch_size=batch,
-                                                   repeats=repeats)
-    if "flops" in args.only:
-        print("==> flops: analytic count vs FlopCounterMode", flush=True)
-        results["flops"] = [flop_check(data[f"train{seq}"], preset=preset) for seq in (128, 512)]
-    if "zero" in args.only:
-        print("==> zero: optimizer state per rank on real DeepSpeed ranks", flush=True)
-        results["zero"] = zero_state_bytes(preset, world_sizes=(1, 2) if args.quick else (1, 2, 4))
-    if "create" in args.only:
-        print("==> create: tools/bench_create.py", flush=True)
-        copies = ["--copies", "1", "2", "--baseline-copies", "1"] if args.quick else []
-        results["create"] = _tool_json("bench_create.py", copies)
-    if "loader" in args.only:
-        print("==> loader: tools/bench_loader.py", flush=True)
-        results["loader"] = _tool_json("bench_loader.py", ["--data-dir", str(data["train128"]), "--batches",
-                                                           "20" if args.quick else "300", "--micro-batch-size", "32"])
-    if "tta" in args.only:
-        from bert_ds.devtools.benchmarks.time_to_accuracy import time_to_accuracy
-
-        print("==> tta: time to held-out masked-LM accuracy, bert_ds vs a plain transformers loop", flush=True)
-        results["tta"] = time_to_accuracy(data, args.work / "tta", quick=args.quick)
-    return results
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="\n".join(__doc__.splitlines()[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--work", type=Path, default=REPO / "bench_run", help="data and scratch (default bench_run/)")
-    parser.add_argument("--shards128", type=Path, help="use this seq-128 shard set instead of the demo data")
-    parser.add_argument("--shards512", type=Path, help="use this seq-512 shard set instead of the demo data")
-    parser.add_argument("--repeats", type=int, default=8, help="timed rounds per step benchmark (default 8)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, few repeats: checks the command works")
-    parser.add_argument("--out", type=Path, default=Path("benchmark.json"),
-                        help="JSON results (default benchmark.json)")
-    parser.add_argument("--markdown", default="BENCHMARKS.md", help="Markdown report path ('' for none)")
-    parser.add_argument("--update", action="store_true",
-                        help="keep the other sections of an existing --out file: re-measure only --only's")
-    args = parser.parse_args(argv)
-    if bool(args.shards128) != bool(args.shards512):
-        parser.error("--shards128 and --shards512 go together")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    previous = {}
-    if args.update:
-        if not args.out.is_file():
-            parser.error(f"--update: {args.out} does not exist (run without --update first)")
-        previous = json.loads(args.out.read_text())
-    args.work.mkdir(parents=True, exist_ok=True)
-    command = "python tools/benchmark.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
-    results = {**previous, **run(args)}
-    results["commands"] = [*previous.get("commands", []), command]
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    text = render(results, results["commands"])
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-        print(f"wrote {args.markdown} and {args.out}")
-    return 0
-
+from bert_ds.devtools.benchmarks.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """Check bert_ds on a CUDA GPU in minutes: kernels against their twins, their speed, BERT-large training throughput.
+Thin CLI over ``bert_ds.devtools.gpu_check.main`` (installed as ``bert-ds-gpu-check``).
 
     python tools/gpu_check.py [--out gpu_check.json] [--steps 10] [--batch-128 64] [--batch-512 16]
 

@@ -16,7 +16,7 @@ Steps, each printed as it starts:
 7. the exported model's held-out masked-LM accuracy computed with transformers, next to the unigram baseline (always
    answering the most frequent masked token of the same positions), overall and at [MASK] positions alone (see
    :class:`Score`), and ``pipeline("fill-mask")`` on held-out sentences;
-8. the curves (``tools/plot_run.py``);
+8. the curves (``bert-ds-plot-run``, :mod:`bert_ds.devtools.plot_run`);
 9. does pre-training help? A word-order task built from the same text (``bert_ds.devtools.pretraining_gain``),
    fine-tuned from the export and from random initialisation with the same seeds, scored on held-out sentences next
    to the majority label; the demo's last line.
@@ -25,10 +25,13 @@ Output directory (default ``demo_run/``): ``data/`` (corpus, tokenizer, shards a
 made from) is reused when a later run would make the same data and rebuilt otherwise; ``warmup_run/``,
 ``warmup_export/``, ``run/``, ``export/``, ``finetune/``, ``curves.png`` and ``train.log`` are replaced by every
 run. A directory the demo did not make is never touched.
+
+Command line (what ``make demo`` runs): ``bert-ds-demo [--out demo_run] [--quick]``, also ``python tools/demo.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -37,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -47,12 +51,11 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["DEMO_RECIPE", "DemoError", "DemoSettings", "Score", "demo_recipe", "export_scores", "fill_mask_examples",
-           "NotDemoDirectory", "prepare_data", "run_demo", "split_corpus"]
+           "NotDemoDirectory", "main", "prepare_data", "run_demo", "split_corpus"]
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_RECIPE = REPO / "ds_configs" / "demo_cpu.json"
 WARMUP_RECIPE = REPO / "ds_configs" / "demo_warmup_cpu.json"
-PLOT_TOOL = REPO / "tools" / "plot_run.py"
 MARKER = ".bert_ds_demo"
 """Written into the output directory: the demo replaces outputs only inside a directory that holds it."""
 TRAIN_RANKS = 2
@@ -420,11 +423,13 @@ def _export(run: Path, export_dir: Path) -> None:
 
 
 def _plot(run: Path, png: Path) -> None:
-    cmd = [sys.executable, str(PLOT_TOOL), str(run), "--out", str(png)]
-    _say("    $ " + " ".join(cmd[1:]))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    # A process of its own, as a user would run it: matplotlib's Agg backend and pyplot state stay out of the demo's.
+    args = [str(run), "--out", str(png)]
+    _say("    $ bert-ds-plot-run " + " ".join(args))
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.devtools.plot_run", *args], cwd=REPO, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
-        raise DemoError(f"{PLOT_TOOL.name} exited with status {proc.returncode}: {proc.stderr.strip()}")
+        raise DemoError(f"bert-ds-plot-run exited with status {proc.returncode}: {proc.stderr.strip()}")
     _say("    " + proc.stdout.strip())
 
 
@@ -528,3 +533,31 @@ def run_demo(out: Path, *, quick: bool = False, settings: DemoSettings | None = 
     if min_ratio is not None and not gain.helps:
         raise DemoError(f"pre-training did not help the fine-tuned task: {gain.line()}")
     return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bert-ds-demo`` / ``tools/demo.py`` (``make demo``). Exit status 0 when the export reaches ``MIN_RATIO`` times
+    the unigram baseline on held-out text (``--quick`` only reports it), 1 when a step fails or it does not, 2 when
+    OUT is not the demo's directory. A second run reuses OUT/data when the corpus and settings are unchanged."""
+    parser = argparse.ArgumentParser(prog="bert-ds-demo", description="The bert_ds demo: real English text -> "
+                                     "tokenizer -> shards -> both phases with ZeRO-2 and LAMB on 2 CPU ranks -> "
+                                     "Hugging Face export -> held-out accuracy vs the unigram baseline and fill-mask "
+                                     "-> plot.")
+    parser.add_argument("--out", default="demo_run", type=Path,
+                        help="output directory (default: demo_run); one the demo did not create is refused")
+    parser.add_argument("--quick", action="store_true",
+                        help="10 warm-up steps and 6 + 6 instead of the full recipes (seconds of training; for tests): "
+                             "reports the accuracy without requiring 2x the baseline")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    try:
+        run_demo(args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
+    except DemoError as exc:  # NotDemoDirectory included: nothing was touched, so a usage error
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, NotDemoDirectory) else 1
+    print(f"demo finished in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

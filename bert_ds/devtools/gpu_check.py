@@ -1,6 +1,6 @@
 """One command for the owner of a CUDA GPU: are bert_ds's kernels right and fast here, and how fast does BERT train?
 
-    python tools/gpu_check.py [--out gpu_check.json]
+    bert-ds-gpu-check [--out gpu_check.json]        (also python tools/gpu_check.py)
 
 On a CUDA device (a plain PyTorch + Triton install; no DeepSpeed, apex or data needed; minutes, not hours):
 
@@ -604,7 +604,7 @@ def _print_item(item: Item) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bert-ds-gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON report (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=10, help="timed training steps per run (default: %(default)s)")
     for seq, b in DEFAULT_BATCH.items():
