@@ -111,3 +111,18 @@ def _no_launcher_variables_leak():
         else:
             os.environ[var] = value
     assert not leaked, f"the test changed launcher variables in the test process's environment: {leaked}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say how to run the Slurm tests when they skipped for want of a controller (``make test`` starts one when the
+    user may: root or passwordless sudo, Slurm installed)."""
+    skipped = [rep for rep in terminalreporter.stats.get("skipped", [])
+               if "Slurm controller" in (rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr))]
+    if not skipped:
+        return
+    terminalreporter.section("Slurm tests skipped")
+    terminalreporter.write_line(f"{len(skipped)} test(s) need a Slurm controller and none answered:")
+    for rep in skipped:
+        terminalreporter.write_line(f"  {rep.nodeid}")
+    terminalreporter.write_line("Run them with the one-node cluster CI uses (Debian packages slurm-wlm and munge):")
+    terminalreporter.write_line("  sudo .ci/start_slurm.sh && make test    (as root: .ci/start_slurm.sh && make test)")

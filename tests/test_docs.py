@@ -1,0 +1,302 @@
+"""Every shell command in README.md and docs/*.md is checked as written: it parses, its programs exist, its flags exist.
+
+Which fenced blocks are shell (the rule): a block labelled ``bash``, ``sh``, ``shell`` or ``console`` always is (in a
+``console`` block only the lines after a ``$ `` prompt are commands); an unlabelled block is shell when its first
+non-blank, non-comment line starts (after ``VAR=value`` prefixes) with a program this test knows (:data:`COMMAND_RE`:
+``bert-ds-*``, ``python``, ``make``, ``deepspeed``, ``mpirun``, ``sbatch``, ``srun``, ``pip``, ``sudo``); every other
+block (diagrams, printed output, JSON) is prose. Indented code blocks are not read: the docs use fenced blocks.
+
+For each shell block: ``bash -n`` accepts it; each invocation of ``bert-ds-<name>`` (found through the installed
+console-script entry points), ``python tools/X.py``, ``python -m bert_ds...``, a ``bert_ds/...py`` script under
+``deepspeed``, and ``deepspeed`` itself exists, and every ``--flag`` written after it (up to the next program or
+shell operator) appears in that program's ``--help`` (run once per program); ``make T`` names a Makefile target; the
+repository paths a command names (``ds_configs/*.json``, ``slurm/*.sh``, ``tools/*.py``, ``.ci/*.sh``, ...) exist.
+Anywhere in a document, a full repository path (``bert_ds/...py``, ``tests/...py``, ``ds_configs/...json``, ...) must
+exist. Placeholders (``ARGS``, ``...``, ``NODE0``) are words, not flags, so they pass.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 220  # issue 14: "README <= ~220 lines"
+
+SHELL_LABELS = {"bash", "sh", "shell", "console"}
+COMMAND_RE = re.compile(r"^(?:\$ )?(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*"
+                        r"(?:bert-ds-[a-z-]+|python3?|\.venv/bin/python|make|deepspeed|mpirun|sbatch|srun|pip|sudo)\b")
+PYTHONS = {"python", "python3", ".venv/bin/python", "$(PY)", "$PY"}
+OPERATORS = {"&&", "||", ";", "|", "&", ";;", "(", ")", "|&"}
+CONSOLE_SCRIPT_RE = re.compile(r"^bert-ds-[a-z0-9-]+$")
+COMMAND_PATH_RE = re.compile(r"(?<![\w/.-])((?:ds_configs|slurm|tools|\.ci|docs)/[\w.-]+\.(?:json|sh|py|md))\b")
+DOC_PATH_RE = re.compile(r"(?<![\w/.$-])((?:bert_ds|tests|ds_configs|slurm|tools|docs|\.ci)/[\w/.-]*[\w-]\."
+                         r"(?:py|json|sh|md|cfg|toml))(?![\w/])")
+MAKE_TARGET_RE = re.compile(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    label: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One program started by a command: ``kind`` is console, tool, module, script or deepspeed."""
+
+    kind: str
+    name: str
+    flags: tuple[str, ...]
+    where: str
+
+
+def fenced_blocks(path: Path, text: str | None = None) -> list[Block]:
+    """Every fenced block of a Markdown file, with its label and the line its fence opens on."""
+    lines = (path.read_text(encoding="utf-8") if text is None else text).splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = re.match(r"^\s*```(.*)$", lines[i])
+        if not m:
+            i += 1
+            continue
+        label, start, body = m.group(1).strip().lower(), i + 1, []
+        i += 1
+        while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
+            body.append(lines[i])
+            i += 1
+        blocks.append(Block(path, start, label, "\n".join(body)))
+        i += 1
+    return blocks
+
+
+def is_shell(block: Block) -> bool:
+    """The rule in the module docstring."""
+    if block.label in SHELL_LABELS:
+        return True
+    if block.label:
+        return False
+    first = next((ln.strip() for ln in block.text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
+    return bool(COMMAND_RE.match(first))
+
+
+def shell_text(block: Block) -> str:
+    """The block's commands: the whole block, or for ``console`` the ``$ `` lines without the prompt."""
+    if block.label != "console":
+        return block.text
+    return "\n".join(ln.strip()[2:] for ln in block.text.splitlines() if ln.strip().startswith("$ "))
+
+
+def logical_lines(text: str) -> list[str]:
+    """Lines with backslash continuations joined (comments are dropped by the tokenizer)."""
+    return text.replace("\\\n", " ").splitlines()
+
+
+def tokens_of(line: str) -> list[str]:
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|()")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    try:
+        return list(lexer)
+    except ValueError:  # unbalanced quotes: bash -n reports it
+        return []
+
+
+def invocations(tokens: list[str], where: str) -> list[Invocation]:
+    """The programs a token list starts, each with the ``--flags`` written after it."""
+    found: list[list] = []  # [kind, name, flags]
+    current = None
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if tok in OPERATORS:
+            current = None
+        elif " " in tok:  # an argument holding a command: bash -c '...'
+            found.extend([inv.kind, inv.name, list(inv.flags)] for inv in invocations(tokens_of(tok), where))
+        elif CONSOLE_SCRIPT_RE.match(Path(tok).name) and "/" not in tok:
+            current = ["console", tok, []]
+            found.append(current)
+        elif tok in PYTHONS and re.match(r"^tools/\w+\.py$", nxt):
+            current = ["tool", nxt, []]
+            found.append(current)
+            i += 1
+        elif tok in PYTHONS and nxt == "-m" and i + 2 < len(tokens):
+            module = tokens[i + 2]
+            current = ["module", module, []] if module.startswith("bert_ds") else None
+            if current:
+                found.append(current)
+            i += 2
+        elif tok == "deepspeed":
+            current = ["deepspeed", "deepspeed", []]
+            found.append(current)
+        elif current is not None and current[0] == "deepspeed" and tok.endswith(".py"):
+            current = ["script", tok, []]
+            found.append(current)
+        elif re.match(r"^(slurm|\.ci)/[\w.-]+\.sh$", tok):
+            current = None  # a batch script: what follows is its arguments, not the launcher's
+        elif tok.startswith("--") and len(tok) > 2 and current is not None:
+            current[2].append(tok.split("=", 1)[0])
+        i += 1
+    return [Invocation(k, n, tuple(f), where) for k, n, f in found]
+
+
+def make_targets(tokens: list[str]) -> list[str]:
+    targets = []
+    for i, tok in enumerate(tokens):
+        if tok == "make":
+            for arg in tokens[i + 1:]:
+                if arg in OPERATORS:
+                    break
+                if not arg.startswith("-") and "=" not in arg:
+                    targets.append(arg)
+    return targets
+
+
+def _console_scripts() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.name.startswith("bert-ds-")}
+
+
+def help_command(kind: str, name: str) -> list[str] | None:
+    """The argv that prints ``--help`` for a program, or None when the program does not exist."""
+    py = sys.executable
+    if kind == "console":
+        target = _console_scripts().get(name)
+        if target is None:
+            return None
+        module, _, attr = target.partition(":")
+        return [py, "-c", f"import sys; sys.argv[0] = {name!r}; from {module} import {attr} as main; "
+                          f"sys.exit(main())", "--help"]
+    if kind in ("tool", "script"):
+        return [py, str(ROOT / name), "--help"] if (ROOT / name).is_file() else None
+    if kind == "module":
+        return [py, "-m", name, "--help"]
+    if kind == "deepspeed":
+        exe = shutil.which("deepspeed", path=str(Path(py).parent)) or shutil.which("deepspeed")
+        return [exe, "--help"] if exe else None
+    raise ValueError(kind)
+
+
+_HELP: dict[tuple[str, str], str | None] = {}
+
+
+def help_texts(programs: set[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
+    """``--help`` output per program (None: it does not exist or its --help failed), each run once per session."""
+    todo = [p for p in sorted(programs) if p not in _HELP]
+
+    def run(program: tuple[str, str]) -> tuple[tuple[str, str], str | None]:
+        argv = help_command(*program)
+        if argv is None:
+            return program, None
+        # A hang guard, not a speed check: --help imports torch (and deepspeed) on a loaded machine.
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return program, (proc.stdout + proc.stderr) if proc.returncode == 0 else None
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        _HELP.update(pool.map(run, todo))
+    return {p: _HELP[p] for p in programs}
+
+
+def shell_blocks(path: Path, text: str | None = None) -> list[Block]:
+    return [b for b in fenced_blocks(path, text) if is_shell(b)]
+
+
+def document_problems(path: Path, text: str | None = None) -> list[str]:
+    """Every problem the checks in the module docstring find in one document (empty: none)."""
+    text = path.read_text(encoding="utf-8") if text is None else text
+    problems: list[str] = []
+    makefile_targets = set(MAKE_TARGET_RE.findall((ROOT / "Makefile").read_text()))
+    calls: list[Invocation] = []
+    for block in shell_blocks(path, text):
+        body = shell_text(block)
+        proc = subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            problems.append(f"{block.where}: bash -n: {proc.stderr.strip()}")
+        for line in logical_lines(body):
+            tokens = tokens_of(line)
+            calls.extend(invocations(tokens, block.where))
+            problems.extend(f"{block.where}: make target {t!r} is not in the Makefile"
+                            for t in make_targets(tokens) if t not in makefile_targets)
+            code = line.split(" #", 1)[0]
+            problems.extend(f"{block.where}: {p} does not exist" for p in COMMAND_PATH_RE.findall(code)
+                            if not (ROOT / p).exists())
+    helps = help_texts({(c.kind, c.name) for c in calls})
+    for call in calls:
+        help_text = helps[(call.kind, call.name)]
+        if help_text is None:
+            problems.append(f"{call.where}: {call.name} ({call.kind}) is not installed or its --help fails")
+            continue
+        problems.extend(f"{call.where}: {call.name} has no flag {flag} (not in its --help)" for flag in call.flags
+                        if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text))
+    problems.extend(f"{path.relative_to(ROOT)}: names {p}, which does not exist"
+                    for p in sorted(set(DOC_PATH_RE.findall(text))) if not (ROOT / p).exists())
+    return problems
+
+
+def test_readme_is_short():
+    lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; keep it <= {README_MAX_LINES}, detail in docs/"
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_in_the_docs_runs_as_written(path):
+    problems = document_problems(path)
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
+
+
+def test_the_docs_have_commands_to_check():
+    """The extraction rule finds the README's commands (a rule that found nothing would pass everything)."""
+    blocks = shell_blocks(ROOT / "README.md")
+    names = {c.name for b in blocks for ln in logical_lines(shell_text(b)) for c in invocations(tokens_of(ln), "")}
+    assert {"bert-ds-convert-checkpoint", "bert-ds-finetune", "deepspeed", "bert_ds/runtime/pretrain.py"} <= names
+    assert len(blocks) >= 5
+
+
+def test_the_rule_for_unlabelled_blocks():
+    doc = "```\nraw text -> shards\n```\n```\n# comment\nmake demo\n```\n```json\n{\"a\": 1}\n```\n"
+    assert [b.label or is_shell(b) for b in fenced_blocks(ROOT / "README.md", doc)] == [False, True, "json"]
+
+
+# Mutations: a made-up flag, program, target and path, and a syntax error, each reported (the checks can fail).
+MUTANTS = {
+    "flag": ("bert-ds-evaluate --checkpoint runs/x --data d/ --made-up-flag 3", "has no flag --made-up-flag"),
+    "deepspeed flag": ("deepspeed --num_gpus 2 --no-such-launcher-flag bert_ds/runtime/pretrain.py --recipe r",
+                       "deepspeed has no flag --no-such-launcher-flag"),
+    "script flag": ("deepspeed --num_gpus 2 bert_ds/runtime/pretrain.py --recipe r --phases all",
+                    "pretrain.py has no flag --phases"),
+    "program": ("bert-ds-no-such-tool --help", "bert-ds-no-such-tool (console) is not installed"),
+    "tool": ("python tools/no_such_tool.py --x", "tools/no_such_tool.py (tool) is not installed"),
+    "target": ("make no-such-target", "make target 'no-such-target' is not in the Makefile"),
+    "path": ("sbatch --nodes=2 slurm/pretrain_huge.sh", "slurm/pretrain_huge.sh does not exist"),
+    "syntax": ("bert-ds-evaluate --checkpoint 'runs/x --data d/", "bash -n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_a_mutated_command_is_reported(name):
+    command, expected = MUTANTS[name]
+    good = "```bash\nbert-ds-evaluate --checkpoint runs/x --data d/ --batch-size 8\n```\n"
+    assert document_problems(ROOT / "README.md", good) == []
+    problems = document_problems(ROOT / "README.md", good + f"```bash\n{command}\n```\n")
+    assert any(expected in p for p in problems), problems
+
+
+def test_a_path_named_in_prose_must_exist():
+    problems = document_problems(ROOT / "README.md", "The loader lives in `bert_ds/data/loaderz.py`.\n")
+    assert problems == ["README.md: names bert_ds/data/loaderz.py, which does not exist"]
