@@ -22,11 +22,16 @@ reproducible):
     broken: trust_ratio "all" for bf16   global 0.94 .. 0.95       worst 1.65 .. 1.92            loss 0.25 .. 0.34
 
 bf16's unit roundoff is u = 2**-8 = 3.9e-3. At step 1 (same weights, only the bf16 forward/backward differs) the
-gradient norm is 6.5e-4 off and the loss 7e-5; after 12 steps the bf16 update is ~2.2u off fp32's. GLOBAL_TOL = 2.5e-2
-(~6.4u) sits 2.7x above the worst honest run and 2.9x below the best broken one; LOSS_TOL = 1e-2, a tenth of the mean
-loss drop per step (1.4 over 12 steps), 5x above honest and 18x below broken. The per-slice trust-ratio bug (partial
-norms not all-reduced) hides in bf16 noise here (global 8.4e-3, ZeRO-2 with ``noreduce``):
-test_lamb_engine guards it in fp32.
+gradient norm is 6.5e-4 off and the loss 7e-5; after 12 steps the bf16 update is ~2.2u off fp32's.
+
+Which check catches which bug, with margins wide by construction rather than tuned on one CPU (bf16 arithmetic differs
+between CPUs with and without avx512_bf16, and between CPU and GPU):
+- a skipped bit16 copy: the exact checks (bf16 partitions == fp32 partitions rounded, every step), no tolerance.
+- the wrong convention (trust ratio on biases and LayerNorm): GLOBAL_TOL = 0.1 and LOSS_TOL = 2e-2 sit about 10x above
+  the worst honest run (global 1.1e-2 after LAMB's norms moved to float64, loss 1.9e-3) and 9x / 12x below the
+  convention bug (0.94, 0.25), near the geometric middle.
+- the per-slice trust-ratio bug (partial norms not all-reduced) hides in bf16 noise here (global 8.4e-3, ZeRO-2 with
+  ``noreduce``): test_lamb_engine guards it in fp32, per step.
 """
 
 from __future__ import annotations
@@ -49,18 +54,19 @@ WRONG_CONVENTION = "bf16-z2-all"
 """The trust ratio applied to biases and LayerNorm too (NVLAMB), compared with the decay_only fp32 run."""
 NOISE_ONLY = ("attention.self.query.bias", "attention.self.key.bias")
 
-LOSS_TOL = 1e-2
+LOSS_TOL = 2e-2
 """bf16 vs fp32: the largest per-step difference of the mean loss over ranks (module docstring)."""
-GLOBAL_TOL = 2.5e-2
+GLOBAL_TOL = 0.1
 """bf16 vs fp32: ``||w_bf16 - w_fp32|| / ||w_fp32 - w_0||`` over all tensors (module docstring)."""
-TENSOR_TOL = 0.3
-"""bf16 vs fp32, per tensor: 2.3x the worst measured (0.128, the pooler bias, whose NSP-only gradient is small and whose
-decay_only step ``lr * u`` Adam normalises to full size). A bound for small tensors that the global distance dilutes,
-not the discriminating check: a skipped copy measured as low as 0.38."""
-STAGE_GLOBAL_TOL = 1e-2
-"""bf16 ZeRO-1 vs ZeRO-2 (global distance): 4x the measured 2.5e-3, 2.5x below bf16 vs fp32's tolerance."""
-STAGE_LOSS_TOL = 2.5e-3
-"""bf16 ZeRO-1 vs ZeRO-2 (loss): 5x the measured 4.8e-4."""
+TENSOR_TOL = 1.0
+"""bf16 vs fp32, per tensor: no tensor's final weights are further from fp32's than fp32's whole update (the worst
+measured is 0.128, the pooler bias, whose NSP-only gradient is small and whose decay_only step ``lr * u`` Adam
+normalises to full size). A coarse bound for small tensors that the global distance dilutes, not a discriminating
+check."""
+STAGE_GLOBAL_TOL = 2.5e-2
+"""bf16 ZeRO-1 vs ZeRO-2 (global distance): 10x the measured 2.5e-3."""
+STAGE_LOSS_TOL = 5e-3
+"""bf16 ZeRO-1 vs ZeRO-2 (loss): 10x the measured 4.8e-4."""
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +134,12 @@ def test_bf16_is_within_bf16_tolerance_of_fp32(runs, stage):
     assert worst <= TENSOR_TOL, f"{name}: update {worst:.2e} from fp32's, allowed {TENSOR_TOL}"
 
 
-@pytest.mark.parametrize("job", [NOCOPY, WRONG_CONVENTION])
-def test_broken_variants_land_outside_the_tolerance(runs, job):
-    loss = loss_distance(runs[job], runs[FP32])
-    total, worst, name = update_distance(runs[job], runs[FP32])
-    print(f"{job} vs fp32: loss {loss:.2e}, global {total:.2e}, worst {worst:.2e} ({name})")
-    assert loss > 2 * LOSS_TOL and total > 2 * GLOBAL_TOL, (loss, total)
+def test_wrong_convention_lands_far_outside_the_tolerance(runs):
+    """A skipped copy is caught exactly (test_bit16_check_catches_a_skipped_copy); the wrong convention by distance."""
+    loss = loss_distance(runs[WRONG_CONVENTION], runs[FP32])
+    total, worst, name = update_distance(runs[WRONG_CONVENTION], runs[FP32])
+    print(f"{WRONG_CONVENTION} vs fp32: loss {loss:.2e}, global {total:.2e}, worst {worst:.2e} ({name})")
+    assert loss > 5 * LOSS_TOL and total > 5 * GLOBAL_TOL, (loss, total)
 
 
 def test_zero1_and_zero2_agree_in_bf16(runs):
