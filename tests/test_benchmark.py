@@ -1,12 +1,13 @@
-"""tools/benchmark.py as a user runs it (--quick, on the suite's real-text shards): it completes, writes its JSON and
-Markdown, and the figures that are facts rather than timings hold: ZeRO splits the optimizer state evenly over real
-ranks, the analytic FLOP count matches FlopCounterMode on a full-length batch, and the unpadded model does less work
-than the padded count on real batches. Timings are printed, never asserted."""
+"""``bert-ds-benchmark`` (also ``tools/benchmark.py``) as a user runs it (--quick, on the suite's real-text shards):
+it completes, writes its JSON and Markdown, and the figures that are facts rather than timings hold: ZeRO splits the
+optimizer state evenly over real ranks, the analytic FLOP count matches FlopCounterMode on a full-length batch, and
+the unpadded model does less work than the padded count on real batches. Timings are printed, never asserted."""
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +17,24 @@ import pytest
 from tests.helpers import HANG_GUARD_S, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).parent / "bert-ds-benchmark"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def quick_run(shards_128, shards_512, tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("benchmark")
-    cmd = [sys.executable, str(ROOT / "tools" / "benchmark.py"), "--quick", "--only", "step", "flops", "zero",
-           "loader", "--repeats", "2", "--shards128", str(shards_128), "--shards512", str(shards_512), "--work",
-           str(out / "work"), "--out", str(out / "bench.json"), "--markdown", str(out / "BENCH.md")]
+    cmd = [str(SCRIPT), "--quick", "--only", "step", "flops", "zero", "loader", "--repeats", "2", "--shards128",
+           str(shards_128), "--shards512", str(shards_512), "--work", str(out / "work"), "--out",
+           str(out / "bench.json"), "--markdown", str(out / "BENCH.md")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=out,
                           env=child_env(PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / "bench.json").read_text()), (out / "BENCH.md").read_text()
+    results, markdown = json.loads((out / "bench.json").read_text()), (out / "BENCH.md").read_text()
+    # The report says how to reproduce it: the command as typed, under the console script's name.
+    command = shlex.join(["bert-ds-benchmark", *cmd[1:]])
+    assert results["commands"] == [command] and f"`{command}`" in markdown, results["commands"]
+    return results, markdown
 
 
 def test_step_section_compares_both_models_on_real_batches(quick_run):
