@@ -59,12 +59,14 @@ class Block:
 
 @dataclass(frozen=True)
 class Invocation:
-    """One program started by a command: ``kind`` is console, tool, module, script or deepspeed."""
+    """One program started by a command: ``kind`` is console, tool, module, script or deepspeed; ``first`` is its
+    first positional argument (a subcommand when the program's --help lists it as one)."""
 
     kind: str
     name: str
     flags: tuple[str, ...]
     where: str
+    first: str = ""
 
 
 def fenced_blocks(path: Path, text: str | None = None) -> list[Block]:
@@ -120,7 +122,7 @@ def tokens_of(line: str) -> list[str]:
 
 def invocations(tokens: list[str], where: str) -> list[Invocation]:
     """The programs a token list starts, each with the ``--flags`` written after it."""
-    found: list[list] = []  # [kind, name, flags]
+    found: list[list] = []  # [kind, name, flags, first positional]
     current = None
     i = 0
     while i < len(tokens):
@@ -129,32 +131,34 @@ def invocations(tokens: list[str], where: str) -> list[Invocation]:
         if tok in OPERATORS:
             current = None
         elif " " in tok:  # an argument holding a command: bash -c '...'
-            found.extend([inv.kind, inv.name, list(inv.flags)] for inv in invocations(tokens_of(tok), where))
+            found.extend([inv.kind, inv.name, list(inv.flags), inv.first] for inv in invocations(tokens_of(tok), where))
         elif CONSOLE_SCRIPT_RE.match(Path(tok).name) and "/" not in tok:
-            current = ["console", tok, []]
+            current = ["console", tok, [], ""]
             found.append(current)
         elif tok in PYTHONS and re.match(r"^tools/\w+\.py$", nxt):
-            current = ["tool", nxt, []]
+            current = ["tool", nxt, [], ""]
             found.append(current)
             i += 1
         elif tok in PYTHONS and nxt == "-m" and i + 2 < len(tokens):
             module = tokens[i + 2]
-            current = ["module", module, []] if module.startswith("bert_ds") else None
+            current = ["module", module, [], ""] if module.startswith("bert_ds") else None
             if current:
                 found.append(current)
             i += 2
         elif tok == "deepspeed":
-            current = ["deepspeed", "deepspeed", []]
+            current = ["deepspeed", "deepspeed", [], ""]
             found.append(current)
         elif current is not None and current[0] == "deepspeed" and tok.endswith(".py"):
-            current = ["script", tok, []]
+            current = ["script", tok, [], ""]
             found.append(current)
         elif re.match(r"^(slurm|\.ci)/[\w.-]+\.sh$", tok):
             current = None  # a batch script: what follows is its arguments, not the launcher's
         elif tok.startswith("--") and len(tok) > 2 and current is not None:
             current[2].append(tok.split("=", 1)[0])
+        elif current is not None and not current[2] and not current[3] and re.match(r"^[a-z][a-z0-9-]*$", tok):
+            current[3] = tok
         i += 1
-    return [Invocation(k, n, tuple(f), where) for k, n, f in found]
+    return [Invocation(k, n, tuple(f), where, first) for k, n, f, first in found]
 
 
 def make_targets(tokens: list[str]) -> list[str]:
@@ -173,8 +177,13 @@ def _console_scripts() -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.name.startswith("bert-ds-")}
 
 
-def help_command(kind: str, name: str) -> list[str] | None:
-    """The argv that prints ``--help`` for a program, or None when the program does not exist."""
+def help_command(kind: str, name: str, sub: str = "") -> list[str] | None:
+    """The argv that prints ``--help`` for a program (or its subcommand), or None when the program does not exist."""
+    argv = _program_argv(kind, name)
+    return None if argv is None else [*argv, *([sub] if sub else []), "--help"]
+
+
+def _program_argv(kind: str, name: str) -> list[str] | None:
     py = sys.executable
     if kind == "console":
         target = _console_scripts().get(name)
@@ -182,25 +191,26 @@ def help_command(kind: str, name: str) -> list[str] | None:
             return None
         module, _, attr = target.partition(":")
         return [py, "-c", f"import sys; sys.argv[0] = {name!r}; from {module} import {attr} as main; "
-                          f"sys.exit(main())", "--help"]
+                          f"sys.exit(main())"]
     if kind in ("tool", "script"):
-        return [py, str(ROOT / name), "--help"] if (ROOT / name).is_file() else None
+        return [py, str(ROOT / name)] if (ROOT / name).is_file() else None
     if kind == "module":
-        return [py, "-m", name, "--help"]
+        return [py, "-m", name]
     if kind == "deepspeed":
         exe = shutil.which("deepspeed", path=str(Path(py).parent)) or shutil.which("deepspeed")
-        return [exe, "--help"] if exe else None
+        return [exe] if exe else None
     raise ValueError(kind)
 
 
-_HELP: dict[tuple[str, str], str | None] = {}
+_HELP: dict[tuple[str, ...], str | None] = {}
 
 
-def help_texts(programs: set[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
-    """``--help`` output per program (None: it does not exist or its --help failed), each run once per session."""
+def help_texts(programs: set[tuple[str, ...]]) -> dict[tuple[str, ...], str | None]:
+    """``--help`` output per (kind, name[, subcommand]) (None: it does not exist or its --help failed), each run once
+    per session."""
     todo = [p for p in sorted(programs) if p not in _HELP]
 
-    def run(program: tuple[str, str]) -> tuple[tuple[str, str], str | None]:
+    def run(program: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
         argv = help_command(*program)
         if argv is None:
             return program, None
@@ -237,11 +247,22 @@ def document_problems(path: Path, text: str | None = None) -> list[str]:
             problems.extend(f"{block.where}: {p} does not exist" for p in COMMAND_PATH_RE.findall(code)
                             if not (ROOT / p).exists())
     helps = help_texts({(c.kind, c.name) for c in calls})
+    # A first positional argument the program's --help lists among its subcommands ({a,b}): check the flags
+    # against that subcommand's --help.
+    subs = {(c.kind, c.name, c.first) for c in calls
+            if c.first and helps[(c.kind, c.name)] and re.search(rf"{{[^}}]*\b{re.escape(c.first)}\b[^}}]*}}",
+                                                                  helps[(c.kind, c.name)])}
+    helps.update(help_texts(subs))
     for call in calls:
         help_text = helps[(call.kind, call.name)]
         if help_text is None:
             problems.append(f"{call.where}: {call.name} ({call.kind}) is not installed or its --help fails")
             continue
+        if (call.kind, call.name, call.first) in subs:
+            help_text = helps[(call.kind, call.name, call.first)]
+            if help_text is None:
+                problems.append(f"{call.where}: {call.name} {call.first} --help fails")
+                continue
         problems.extend(f"{call.where}: {call.name} has no flag {flag} (not in its --help)" for flag in call.flags
                         if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text))
     problems.extend(f"{path.relative_to(ROOT)}: names {p}, which does not exist"
@@ -284,6 +305,8 @@ MUTANTS = {
     "tool": ("python tools/no_such_tool.py --x", "tools/no_such_tool.py (tool) is not installed"),
     "target": ("make no-such-target", "make target 'no-such-target' is not in the Makefile"),
     "path": ("sbatch --nodes=2 slurm/pretrain_huge.sh", "slurm/pretrain_huge.sh does not exist"),
+    "subcommand flag": ("python tools/bench_lamb.py state-bytes --preset base",
+                        "tools/bench_lamb.py has no flag --preset"),
     "syntax": ("bert-ds-evaluate --checkpoint 'runs/x --data d/", "bash -n"),
 }
 
