@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bert_ds.downstream.finetune import METRICS_NAME, main
 from tests.helpers.downstream_data import write_mrpc, write_sst2
 
 FAST = ["--device", "cpu", "--max-seq-length", "64", "--batch-size", "16", "--logging-steps", "5"]
 
 
+@pytest.mark.slow  # minutes of CPU fine-tuning
 def test_single_sentence_sst2_layout(hub_bert, corpus_documents, tmp_path):
     glue = tmp_path / "glue"
     write_sst2(corpus_documents, glue / "SST-2", n_train=192, n_dev=96)
@@ -24,6 +27,7 @@ def test_single_sentence_sst2_layout(hub_bert, corpus_documents, tmp_path):
     assert accuracy >= chance + 0.2, metrics["eval"]
 
 
+@pytest.mark.slow  # minutes of CPU fine-tuning
 def test_sentence_pair_mrpc_layout(hub_bert, corpus_documents, tmp_path):
     glue = tmp_path / "glue"
     write_mrpc(corpus_documents, glue / "MRPC", n_train=256, n_dev=96)

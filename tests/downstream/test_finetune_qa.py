@@ -66,6 +66,7 @@ def _fixed_baseline(examples: list[dict]) -> dict[str, str]:
     return {e["id"]: e["context"].split()[0] for e in examples}
 
 
+@pytest.mark.slow  # minutes of CPU fine-tuning
 @pytest.mark.parametrize("version", [1, 2])
 def test_squad_layout_beats_baseline(hub_bert, corpus_documents, tmp_path, version):
     train, dev = write_squad(corpus_documents, tmp_path / "squad", n_train_q=240, n_dev_q=80, version=version)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -13,6 +14,7 @@ from bert_ds.downstream.finetune import METRICS_NAME, main
 from tests.helpers.downstream_data import write_stsb
 
 
+@pytest.mark.slow  # minutes of CPU fine-tuning
 def test_stsb_trains_as_regression(hub_bert, corpus_documents, tmp_path):
     glue = tmp_path / "glue"
     write_stsb(corpus_documents, glue / "STS-B", n_train=256, n_dev=96)

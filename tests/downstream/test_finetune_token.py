@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import transformers
 
 from bert_ds.downstream.finetune import IGNORE_INDEX, METRICS_NAME, FinetuneArgs, _encode_tokens, main
@@ -25,6 +26,7 @@ def test_first_subword_carries_the_tag(hub_bert, tmp_path):
     assert all(label == IGNORE_INDEX for i, label in enumerate(example["labels"]) if i not in firsts)
 
 
+@pytest.mark.slow  # minutes of CPU fine-tuning
 def test_conll_layout_entity_f1(hub_bert, corpus_documents, tmp_path):
     data = write_conll(corpus_documents, tmp_path / "conll", n_train=192, n_dev=64)
     out = tmp_path / "ner"
