@@ -323,3 +323,28 @@ def test_a_mutated_command_is_reported(name):
 def test_a_path_named_in_prose_must_exist():
     problems = document_problems(ROOT / "README.md", "The loader lives in `bert_ds/data/loaderz.py`.\n")
     assert problems == ["README.md: names bert_ds/data/loaderz.py, which does not exist"]
+
+
+def test_the_readme_layout_is_the_package():
+    """The README's layout block names every module of bert_ds/ and nothing that is not there."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = next(b.text for b in fenced_blocks(ROOT / "README.md", text) if b.text.startswith("bert_ds/\n"))
+    package = ROOT / "bert_ds"
+    named: set[str] = set()
+    folder = None
+    for line in layout.splitlines():
+        m = re.match(r"^  ([a-z_]+)/\s+(.*)$", line) or (folder and re.match(r"^ {4,}()(\S.*)$", line))
+        if m:
+            folder, listed = m.group(1) or folder, m.group(2)
+            for word in re.findall(r"[a-z_]+(?:\.py|/)?", re.sub(r"\([^)]*\)", "", listed)):
+                named.add(f"{folder}/{word if word.endswith(('.py', '/')) else word + '.py'}")
+        else:
+            folder = None
+            named.update(re.findall(r"\b([a-z_]+\.py)\b", line.split("  ", 2)[1] if line.startswith("  ") else ""))
+    missing = sorted(n for n in named if not (package / n).exists())
+    assert not missing, f"README layout names what bert_ds/ does not have: {missing}"
+    actual = {p.relative_to(package).as_posix() for p in package.glob("*.py") if p.name != "__init__.py"}
+    actual |= {p.relative_to(package).as_posix() for p in package.glob("*/*.py") if p.name != "__init__.py"}
+    actual |= {p.relative_to(package).as_posix() + "/" for p in package.glob("*/*/") if p.name != "__pycache__"}
+    unnamed = sorted(actual - named)
+    assert not unnamed, f"README layout leaves out: {unnamed}"
