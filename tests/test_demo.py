@@ -1,4 +1,5 @@
-"""The demo (``make demo``): its pieces on their own, and ``tools/demo.py --quick`` end to end, twice."""
+"""The demo (``make demo``, ``bert-ds-demo``): its pieces on their own, and ``tools/demo.py --quick`` end to end,
+twice."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from bert_ds.recipe import Recipe
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO
 
-DEMO = REPO / "tools" / "demo.py"
+DEMO = REPO / "tools" / "demo.py"  # what `make demo` runs
+SCRIPT = Path(sys.executable).parent / "bert-ds-demo"
 SCORE_LINE = re.compile(r"held-out masked-LM accuracy of the export \((seq \d+)\): ([\d.]+)% of (\d+) masked "
                         r"positions vs unigram baseline ([\d.]+)% \(always '(.+)'\): ([\d.]+)x\n"
                         r" +at the (\d+) \[MASK\] positions alone: ([\d.]+)% vs ([\d.]+)% \(always '(.+)'\): "
@@ -51,9 +53,10 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
     with pytest.raises(NotDemoDirectory, match=re.escape(f"{tmp_path} holds files the demo did not write")):
         run_demo(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]  # nothing written, nothing removed
-    done = subprocess.run([sys.executable, str(DEMO), "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)
-    assert done.returncode == 2 and "did not write" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run([str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"bert-ds-demo: error: {tmp_path} holds files the demo did not write"), done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("source", [DEMO_RECIPE, WARMUP_RECIPE], ids=["main", "warmup"])
@@ -108,6 +111,7 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     last = [line for line in first.stdout.splitlines() if line.strip()][-2:]
     assert last[0] == gain[0] and last[1].startswith("demo finished in"), last
     assert "both phases from the warm-up's weights" in first.stdout
+    assert f"$ bert-ds-plot-run {out / 'run'} --out {out / 'curves.png'}" in first.stdout
     for line in ("plot: ", "export: ", "run: ", "warm-up: ", "training log: "):
         assert line in first.stdout
     png = out / "curves.png"

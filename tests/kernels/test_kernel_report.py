@@ -1,4 +1,5 @@
-"""tools/kernel_report.py: AOT-compile every kernel build the runtime launches for sm_80/sm_90; no check fails."""
+"""``bert-ds-kernel-report`` (also ``tools/kernel_report.py``): AOT-compile every kernel build the runtime launches
+for sm_80/sm_90; no check fails."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow  # ~100 s cold on 2 busy CPU cores (80 compiles); seconds once triton's cache is warm
 def test_kernel_report_compiles_everything_without_spills():
     # AOT compilation needs triton imported without the interpreter, hence a process of its own.
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_report.py")], capture_output=True,
+    result = subprocess.run([str(Path(sys.executable).parent / "bert-ds-kernel-report")], capture_output=True,
                             text=True, timeout=HANG_GUARD_S, env=child_env(TRITON_INTERPRET="0"), cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     header, *rows = (line.split() for line in result.stdout.splitlines())
