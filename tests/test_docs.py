@@ -348,3 +348,42 @@ def test_the_readme_layout_is_the_package():
     actual |= {p.relative_to(package).as_posix() + "/" for p in package.glob("*/*/") if p.name != "__pycache__"}
     unnamed = sorted(actual - named)
     assert not unnamed, f"README layout leaves out: {unnamed}"
+
+
+def _readme_recipe_rows() -> dict[str, list[tuple[int, int, int, int, int, int, int, int]]]:
+    """The README recipe table: recipe -> [(phase, seq, micro, gas, ranks, global, tokens/step, steps)]."""
+    rows: dict[str, list] = {}
+    name = None
+    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or len(cells) != 7 or not re.match(r"^\d", cells[2]):
+            continue
+        name = (re.match(r"^`(\w+)`", cells[0]).group(1)) if cells[0] else name
+
+        def split(cell):
+            return [part.strip() for part in cell.split(" / ")]
+
+        phase_seq, batch, global_, tokens, steps = (split(c) for c in cells[2:])
+        for ps, b, g, t, s in zip(phase_seq, batch, global_, tokens, steps, strict=True):
+            phase, seq = (int(x) for x in re.findall(r"\d+", ps))
+            micro, gas, ranks = (int(x) for x in b.split(" x "))
+            numbers = (int(x.replace(",", "")) for x in (g, t, s))
+            rows.setdefault(name, []).append((phase, seq, micro, gas, ranks, *numbers))
+    return rows
+
+
+def test_the_readme_recipe_table_is_the_recipes():
+    """Every ds_configs/*.json has its rows, and each row's batch arithmetic is what bert_ds derives from the file."""
+    from bert_ds.recipe import gradient_accumulation_steps, load_recipe
+
+    rows = _readme_recipe_rows()
+    recipes = {p.stem: load_recipe(p) for p in sorted((ROOT / "ds_configs").glob("*.json"))}
+    assert set(rows) == set(recipes), f"README table {sorted(rows)} vs ds_configs {sorted(recipes)}"
+    for name, recipe in recipes.items():
+        expected = []
+        for number, phase in enumerate(recipe.phases, 1):
+            ranks = next(r[4] for r in rows[name] if r[0] == number)
+            expected.append((number, phase.seq_len, phase.micro_batch_size,
+                             gradient_accumulation_steps(phase, ranks), ranks, phase.global_batch_size,
+                             phase.global_batch_size * phase.seq_len, phase.steps))
+        assert sorted(rows[name]) == expected, name
