@@ -12,7 +12,9 @@ console-script entry points), ``python tools/X.py``, ``python -m bert_ds...``, a
 shell operator) appears in that program's ``--help`` (run once per program); ``make T`` names a Makefile target; the
 repository paths a command names (``ds_configs/*.json``, ``slurm/*.sh``, ``tools/*.py``, ``.ci/*.sh``, ...) exist.
 Anywhere in a document, a full repository path (``bert_ds/...py``, ``tests/...py``, ``ds_configs/...json``, ...) must
-exist. Placeholders (``ARGS``, ``...``, ``NODE0``) are words, not flags, so they pass.
+exist, and a command quoted inline in prose (a backticked span starting with ``bert-ds-``, ``python tools/``,
+``python -m bert_ds`` or ``deepspeed``) gets the program and flag checks. Placeholders (``ARGS``, ``...``, ``NODE0``)
+are words, not flags, so they pass.
 """
 
 from __future__ import annotations
@@ -246,6 +248,11 @@ def document_problems(path: Path, text: str | None = None) -> list[str]:
             code = line.split(" #", 1)[0]
             problems.extend(f"{block.where}: {p} does not exist" for p in COMMAND_PATH_RE.findall(code)
                             if not (ROOT / p).exists())
+    # Commands quoted inline in prose (`bert-ds-evaluate --kernels torch`): the same program and flag checks.
+    prose = re.sub(r"(?ms)^\s*```.*?^\s*```\s*$", "", text)
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        if re.match(r"^(bert-ds-[a-z0-9-]+|python3? (tools/|-m bert_ds)|deepspeed )", span):
+            calls.extend(invocations(span.split(), f"{path.relative_to(ROOT)}: `{span}`"))
     helps = help_texts({(c.kind, c.name) for c in calls})
     # A first positional argument the program's --help lists among its subcommands ({a,b}): check the flags
     # against that subcommand's --help.
@@ -318,6 +325,12 @@ def test_a_mutated_command_is_reported(name):
     assert document_problems(ROOT / "README.md", good) == []
     problems = document_problems(ROOT / "README.md", good + f"```bash\n{command}\n```\n")
     assert any(expected in p for p in problems), problems
+
+
+def test_a_command_quoted_in_prose_is_checked():
+    problems = document_problems(ROOT / "README.md", "Run `bert-ds-evaluate --kernelz torch` to pick kernels.\n")
+    assert problems == ["README.md: `bert-ds-evaluate --kernelz torch`: bert-ds-evaluate has no flag --kernelz "
+                        "(not in its --help)"]
 
 
 def test_a_path_named_in_prose_must_exist():
