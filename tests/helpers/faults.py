@@ -32,9 +32,12 @@ REPORT_ENV = "BERT_DS_FAULT_REPORT"
 ERROR_LINE = r"^(bert_ds\.runtime\.pretrain: error: |error: |bert-ds-[a-z-]+: error: |verification failed: )"
 """How the first line of a refusal starts, for every CLI the table runs (``tools/verify_shards.py`` excepted: its
 lines start with the shard set, see the cases)."""
-ORPHAN_GRACE_S = 15.0
-"""A DataLoader worker notices its rank is gone within torch's 5 s status poll; anything alive after this is an
-orphan."""
+ORPHAN_GRACE_S = 60.0
+"""How long the command's processes may take to exit after it did; anything alive after this is an orphan. A
+DataLoader worker notices its rank is gone within torch's 5 s status poll (``MP_STATUS_CHECK_INTERVAL``) and then
+exits, which on a loaded 2-core machine can take several seconds more. A real orphan -- a rank left training or blocked
+in a collective -- lives until its process group times out (DeepSpeed's default 10 minutes, ``default_pg_timeout``),
+10x this grace. The wait ends as soon as every process is gone, so a passing case never pays it."""
 
 # Run length of the table's recipe: 6 + 2 steps, a checkpoint every 2 (phase 1) and every step (phase 2), evaluation
 # (when --eval-data is given) at the same points, a console line every step so triggers can fire on "step N |".

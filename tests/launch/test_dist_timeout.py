@@ -1,7 +1,12 @@
 """The recipe's ``deepspeed.process_group_timeout_s`` reaches the process group: on 2 real gloo ranks, a collective that
-one rank never joins fails on the other after that many seconds, not after DeepSpeed's default 10 minutes (nor when the
-absent rank finally exits, here after 180 s). The same timeout also bounds how long rank 0 waits for every rank to join
-at start."""
+one rank never joins fails on the other with gloo's own timeout error, which names the recipe's value in milliseconds
+(DeepSpeed's default would name 600000 ms). The same timeout also bounds how long rank 0 waits for every rank to join
+at start.
+
+No duration is asserted but the lower bound that defines a timeout (never before it): what separates the recipe's
+timeout from a bug is the value gloo reports, not a stopwatch, so a loaded machine cannot fail the test. The absent
+rank stays alive until the test kills it, so the barrier can only end by timing out (a peer's exit would end it with
+a connection error, which the message check rejects)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,6 @@ from tests.helpers.runs import REPO
 
 pytestmark = pytest.mark.slow
 
-ABSENT_RANK_S = 180
 RANK_CODE = """
 import sys, time
 import deepspeed.comm as dist
@@ -44,7 +48,7 @@ def test_collective_fails_after_the_recipe_timeout(timeout_s):
     for rank in (0, 1):
         env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_CODE, str(timeout_s), str(ABSENT_RANK_S)], cwd=REPO,
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_CODE, str(timeout_s), str(HANG_GUARD_S)], cwd=REPO,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         out, _ = procs[0].communicate(timeout=HANG_GUARD_S)
@@ -54,6 +58,7 @@ def test_collective_fails_after_the_recipe_timeout(timeout_s):
     assert procs[0].returncode == 0, out[-4000:]
     line = next(ln for ln in out.splitlines() if ln.startswith("failed after "))
     print(line)
+    # gloo (transport/tcp/pair.cc): "Timed out waiting <ms>ms for recv operation to complete" -- the recipe's value.
+    assert f"Timed out waiting {timeout_s * 1000}ms" in line, line
     elapsed = float(line.split()[2])
-    # Never before the timeout; well before the absent rank's exit, which would end the barrier with another error.
-    assert timeout_s - 0.5 <= elapsed < ABSENT_RANK_S - 60, line
+    assert elapsed >= timeout_s - 0.5, line  # never before the timeout (0.5 s: the clock starts before the call)
