@@ -43,10 +43,12 @@ def test_second_lock_is_refused_naming_the_holder_and_free_after_release(tmp_pat
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
-    code = ("import sys, time; from bert_ds.checkpoint import acquire_run_lock; acquire_run_lock(sys.argv[1]); "
-            "print('locked', flush=True); time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    # Holds the lock until killed (or until this process exits and its stdin closes), not for a time that a slow
+    # machine could outrun.
+    code = ("import sys; from bert_ds.checkpoint import acquire_run_lock; acquire_run_lock(sys.argv[1]); "
+            "print('locked', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
