@@ -48,5 +48,9 @@ test-fast: venv
 lint: venv
 	$(PY) -m ruff check .
 
+# Every performance figure beside its baseline, measured in the same run (docs/benchmarks.md): minutes to an hour on CPU.
+bench: venv
+	$(VENV)/bin/bert-ds-benchmark
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
