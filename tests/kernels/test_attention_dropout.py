@@ -14,12 +14,11 @@ from bert_ds.kernels import attention, varlen_attention
 from bert_ds.kernels.attention import attention_torch
 from bert_ds.kernels.attention_varlen import varlen_attention_torch
 from bert_ds.kernels.dropout import draw_dropout_seed, dropout_keep_mask
-from tests.helpers.kernels import grads_of
+from tests.helpers.kernels import assert_matches_twin, grads_of
 
-TOL = {  # as tests/kernels/test_attention.py: the twin runs in fp32 on the upcast inputs
-    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
-    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-}
+# As tests/kernels/test_attention.py: the twin runs in fp32 on the upcast inputs; fp32 elementwise, bf16 by the eps
+# rule of tests.helpers.kernels.assert_within_rounding.
+FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
 SIGMAS = 5  # binomial bounds: a correct generator fails one of these checks with probability ~6e-7 each
 
 
@@ -87,13 +86,14 @@ def test_padded_kernel_matches_twin_with_the_same_mask(lengths, seq, dtype):
                               [q.float(), k.float(), v.float()], do.float())
     assert out.dtype == dtype and torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     real = kpm[:, None, :, None].expand(out.shape)  # real query rows (padded rows are arbitrary but finite)
-    torch.testing.assert_close(out.float()[real], ref[real], **TOL[dtype])
+    assert_matches_twin(out.float()[real], ref[real], dtype, FP32_TOL, "out")
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
-        torch.testing.assert_close(g.float(), rg, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
+        assert_matches_twin(g.float(), rg, dtype, FP32_TOL, name)
     # The twin with another mask is far from the kernel: the comparison above sees the mask.
     other = _mask_for(4, p, batch, heads, seq)
-    assert not torch.allclose(attention_torch(q.float(), k.float(), v.float(), kpm, p, other)[real], ref[real],
-                              **TOL[dtype])
+    wrong = attention_torch(q.float(), k.float(), v.float(), kpm, p, other)[real]
+    with pytest.raises(AssertionError):
+        assert_matches_twin(wrong, ref[real], dtype, FP32_TOL, "another mask")
 
 
 @pytest.mark.parametrize(("lengths", "dtype"), [
@@ -113,9 +113,9 @@ def test_varlen_kernel_matches_twin_with_the_same_mask(lengths, dtype):
     ref, ref_grads = grads_of(lambda q, k, v: varlen_attention_torch(q, k, v, cu, longest, p, dropout_mask=keep),
                               [q.float(), k.float(), v.float()], do.float())
     assert out.dtype == dtype and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    assert_matches_twin(out.float(), ref, dtype, FP32_TOL, "out")
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
-        torch.testing.assert_close(g.float(), rg, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
+        assert_matches_twin(g.float(), rg, dtype, FP32_TOL, name)
 
 
 def test_twin_with_an_all_kept_mask_is_the_undropped_attention_scaled():
@@ -200,9 +200,9 @@ def test_auto_keeps_the_triton_attention_with_dropout(monkeypatch, recwarn, fres
     torch.manual_seed(0)
     got = attention(q, k, v, dropout_p=0.1)
     want = attention_torch(q, k, v, dropout_p=0.1, dropout_mask=_mask_for(0, 0.1, 1, 2, 32))
-    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got, want, **FP32_TOL)
     packed = [t[0].transpose(0, 1) for t in (q, k, v)]
     torch.manual_seed(0)
     got = varlen_attention(*packed, _cu([32]), 32, dropout_p=0.1)
-    torch.testing.assert_close(got, want[0].transpose(0, 1), **TOL[torch.float32])  # same pairs as padded
+    torch.testing.assert_close(got, want[0].transpose(0, 1), **FP32_TOL)  # same pairs as padded
     assert not [w for w in recwarn if "dropout" in str(w.message)]

@@ -9,11 +9,12 @@ import torch
 
 from bert_ds.kernels import layer_norm
 from bert_ds.kernels.layer_norm import layer_norm_torch
-from tests.helpers.kernels import grads_of
+from tests.helpers.kernels import assert_matches_twin, grads_of
 
-# Tolerances per input dtype. The reference is the torch twin in fp32 on the same (upcast) inputs;
-# bf16 kernel outputs are rounded to bf16 (relative step 2^-8), fp32 differ only in summation order.
-TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+# The reference is the torch twin in fp32 on the same (upcast) inputs. fp32 differs only in summation order
+# (elementwise, measured at most 3% of this bound); bf16 outputs are rounded to bf16, checked by the eps rule of
+# tests.helpers.kernels.assert_within_rounding.
+FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 
 def _check(shape, dtype, with_residual, eps=1e-12):
@@ -35,10 +36,10 @@ def _check(shape, dtype, with_residual, eps=1e-12):
     out, grads = grads_of(run_triton, inputs, dy)
     ref, ref_grads = grads_of(run_twin, [t.float() for t in inputs], dy.float())
     assert out.dtype == dtype and out.shape == shape
-    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    assert_matches_twin(out.float(), ref, dtype, FP32_TOL, "out")
     for name, g, rg in zip(("x", "weight", "bias", "residual")[: len(grads)], grads, ref_grads, strict=True):
         assert g.dtype == dtype, name
-        torch.testing.assert_close(g.float(), rg, **TOL[dtype], msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_matches_twin(g.float(), rg, dtype, FP32_TOL, f"grad {name}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
