@@ -62,18 +62,19 @@ def test_windows_cover_a_long_context_and_label_the_answer(hub_bert):
         assert span == "zanzibar"
 
 
-def _fixed_baseline(examples: list[dict]) -> dict[str, str]:
-    return {e["id"]: e["context"].split()[0] for e in examples}
+def _fixed_baselines(examples: list[dict]) -> list[dict[str, str]]:
+    """Answers that ignore the question: the context's first word, and (v2.0) always "no answer"."""
+    return [{e["id"]: e["context"].split()[0] for e in examples}, {e["id"]: "" for e in examples}]
 
 
 @pytest.mark.slow  # minutes of CPU fine-tuning
 @pytest.mark.parametrize("version", [1, 2])
 def test_squad_layout_beats_baseline(hub_bert, corpus_documents, tmp_path, version):
-    train, dev = write_squad(corpus_documents, tmp_path / "squad", n_train_q=240, n_dev_q=80, version=version)
+    train, dev = write_squad(corpus_documents, tmp_path / "squad", n_train_q=160, n_dev_q=60, version=version)
     task = f"squad_v{version}"
     out = tmp_path / "qa"
     assert main(["--model", str(hub_bert), "--task", task, "--data-dir", str(tmp_path / "squad"),
-                 "--out", str(out), "--epochs", "2", "--learning-rate", "1e-4", "--device", "cpu",
+                 "--out", str(out), "--epochs", "3", "--learning-rate", "2e-4", "--device", "cpu",
                  "--max-seq-length", "128", "--max-query-length", "48", "--doc-stride", "32", "--batch-size", "16",
                  "--logging-steps", "5"]) == 0
     metrics = json.loads((out / METRICS_NAME).read_text())
@@ -81,13 +82,14 @@ def test_squad_layout_beats_baseline(hub_bert, corpus_documents, tmp_path, versi
     examples = read_split(task, dev)
     dev_scores = metrics["eval"]["dev"]
     if version == 1:
-        baseline = squad_v1(_fixed_baseline(examples), examples)
+        baseline = max(squad_v1(b, examples)["f1"] for b in _fixed_baselines(examples))
         assert squad_v1(predictions, examples) == pytest.approx({k: dev_scores[k] for k in ("exact_match", "f1")})
     else:
-        baseline = squad_v2(_fixed_baseline(examples), examples)
+        baseline = max(squad_v2(b, examples)["f1"] for b in _fixed_baselines(examples))
         assert {"HasAns_f1", "NoAns_f1", "best_f1", "best_f1_thresh"} <= set(dev_scores)
         assert squad_v2(predictions, examples)["f1"] == pytest.approx(dev_scores["f1"])
-    print(f"{task} layout (word removed from a context sentence): " +
+    print(f"{task} layout (the sentence's number replaced by 'what'): " +
           ", ".join(f"{k} {v:.1f}" for k, v in dev_scores.items() if not k.endswith("total")) +
-          f"; first-word baseline F1 {baseline['f1']:.1f}")
-    assert dev_scores["f1"] >= baseline["f1"] + 20, (dev_scores, baseline)
+          f"; best fixed-answer baseline F1 {baseline:.1f}")
+    # Wide by construction: 30 F1 points (of 100) above the better of the first word and (v2.0) "no answer".
+    assert dev_scores["f1"] >= baseline + 30, (dev_scores, baseline)

@@ -10,9 +10,9 @@ presets' readers load them. No labelled corpus ships offline; every label below 
 * multiple choice (SWAG layout): the true next sentence among 4 (the other 3 from documents of the other kind);
 * token tagging (CoNLL-2003 layout): words with a digit are ``B-MISC``, the names "Free Software Foundation",
   "Python Software Foundation", "Apache Software Foundation" are ``B-ORG I-ORG I-ORG``, other words ``O``;
-* QA (SQuAD v1.1 / v2.0 JSON): the context is three consecutive sentences; the question is one of them with one
-  word replaced by "what"; the answer is that word where it stands in the context. v2.0 adds unanswerable questions
-  built the same way from a sentence of another document.
+* QA (SQuAD v1.1 / v2.0 JSON): the context is a sentence with its neighbours, holding exactly one number; the
+  question is the sentence with the number replaced by "what"; the answer is the number where it stands. v2.0 adds
+  unanswerable questions: a number question with three consecutive sentences without any number as the context.
 """
 
 from __future__ import annotations
@@ -186,45 +186,60 @@ def write_conll(docs, out_dir: Path, n_train: int, n_dev: int, seed: int = 0) ->
     return out_dir
 
 
-def _question(sentence: str, rng: random.Random) -> tuple[str, str, int] | None:
-    """(question, answer word, the word's character offset in the sentence) or None."""
-    spans = [(m.group(), m.start()) for m in re.finditer(r"[A-Za-z]{4,}", sentence)]
-    if len(spans) < 3:
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?!\w)")
+
+
+def _number_question(sentence: str) -> tuple[str, str, int] | None:
+    """(question, the sentence's one number, its character offset) or None: the question is the sentence with the
+    number replaced by "what"."""
+    found = list(_NUMBER.finditer(sentence))
+    if len(found) != 1:
         return None
-    word, start = rng.choice(spans)
-    return sentence[:start] + "what" + sentence[start + len(word):], word, start
+    m = found[0]
+    return sentence[:m.start()] + "what" + sentence[m.end():], m.group(), m.start()
 
 
 def write_squad(docs, path: Path, n_train_q: int, n_dev_q: int, version: int, seed: int = 0) -> tuple[Path, Path]:
-    """train/dev SQuAD JSON under ``path`` (``train-v1.1.json`` / ``dev-v1.1.json`` or the v2.0 names)."""
+    """train/dev SQuAD JSON under ``path`` (``train-v1.1.json`` / ``dev-v1.1.json`` or the v2.0 names). Each context
+    (a sentence and its neighbours) holds exactly one number, each sentence serves one question: the answer has a
+    cue a pretrained model picks up in a few dozen CPU steps (with any word as the answer, F1 stayed at 7.8 after 36
+    steps, measured). v2.0's unanswerable questions pair a number question with a context without numbers."""
     rng = random.Random(seed)
-    multi = [i for i, d in enumerate(docs) if len(d) >= 3]
+    answerable, number_free = [], []
+    for d, doc in enumerate(docs):
+        sentences = [_clean(s) for s in doc]
+        for j in range(len(sentences)):
+            window = sentences[max(0, j - 1):j + 2]
+            context = " ".join(window)
+            numbers = len(_NUMBER.findall(context))
+            made = _number_question(sentences[j])
+            if numbers == 1 and made is not None:
+                question, number, offset = made
+                start = sum(len(s) + 1 for s in window[:j - max(0, j - 1)]) + offset
+                assert context[start:start + len(number)] == number
+                answerable.append((d, context, question, number, start))
+            elif numbers == 0 and len(window) == 3 and j % 3 == 1:  # disjoint windows
+                number_free.append((d, context))
+    rng.shuffle(answerable)
     articles: list[dict] = []
     count = 0
-    while count < n_train_q + n_dev_q:
-        d = rng.choice(multi)
-        k = rng.randrange(len(docs[d]) - 2)
-        sentences = [_clean(s) for s in docs[d][k:k + 3]]
-        context = " ".join(sentences)
-        j = rng.randrange(3)
-        made = _question(sentences[j], rng)
-        if made is None:
-            continue
-        question, word, offset = made
-        start = sum(len(s) + 1 for s in sentences[:j]) + offset
-        assert context[start:start + len(word)] == word
-        qas = [{"id": f"q{count}", "question": question, "answers": [{"text": word, "answer_start": start}],
-                "is_impossible": False}]
+    for d, context, question, number, start in answerable:
+        if count >= n_train_q + n_dev_q:
+            break
+        qa = {"id": f"q{count}", "question": question, "answers": [{"text": number, "answer_start": start}]}
+        articles.append({"title": f"doc{d}", "paragraphs": [{"context": context, "qas": [qa]}]})
         count += 1
         if version == 2 and rng.random() < 0.5:
-            other = _question(_clean(rng.choice(docs[rng.choice([i for i in multi if i != d])])), rng)
-            if other is not None:
-                qas.append({"id": f"q{count}", "question": other[0], "answers": [], "is_impossible": True})
-                count += 1
-        if version == 1:
-            for qa in qas:
-                del qa["is_impossible"]
-        articles.append({"title": f"doc{d}", "paragraphs": [{"context": context, "qas": qas}]})
+            other, free = rng.choice(number_free)
+            articles.append({"title": f"doc{other}", "paragraphs": [{"context": free, "qas": [
+                {"id": f"q{count}", "question": question, "answers": [], "is_impossible": True}]}]})
+            count += 1
+    if count < n_train_q + n_dev_q:
+        raise ValueError(f"the corpus yields {count} questions, fewer than the {n_train_q + n_dev_q} asked for")
+    if version == 2:
+        for a in articles:
+            for qa in a["paragraphs"][0]["qas"]:
+                qa.setdefault("is_impossible", False)
     rng.shuffle(articles)
     # Split by question count: the dev file takes articles until it holds n_dev_q questions.
     dev, train, held = [], [], 0
