@@ -46,10 +46,13 @@ def test_bf16_zero2_resumes_exactly_and_on_another_rank_count(synthetic_data, tm
     moved_end = moved / "checkpoints" / "phase2-step000002"
     assert [f.name for f in moved_end.glob("*zero_pp_rank_*")] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     # bf16 forward/backward: accumulating 2 micro batches per rank instead of 1 rounds differently in bf16, so the
-    # floor is bf16's (measured 1.9e-5 per tensor, 6.5e-6 global), not fp32's 1e-5/1e-6.
+    # floor is bf16's, and it depends on the CPU's vector width: measured 1.9e-5 per tensor (6.5e-6 global) with
+    # AVX-512, 1.76e-4 per tensor with ATEN_CPU_CAPABILITY=avx2. The bounds sit at bf16's unit roundoff (2^-8 = 3.9e-3)
+    # per tensor and a tenth of it overall: 22x above the worst measured, and a re-cut that loses or swaps a partition's
+    # moments or master weights moves a tensor by a whole update, O(lr) = 1e-2 of these tiny weights and more.
     for tag in ("phase1-step000004", "phase2-step000002"):
         d = param_diffs(weights(moved, tag), weights(straight, tag))
-        assert d["tensor_rel"] <= 1e-3 and d["global_rel"] <= 1e-4, f"{tag} bf16 resumed 2 -> 1 ranks: {d}"
+        assert d["tensor_rel"] <= 2**-8 and d["global_rel"] <= 2**-8 / 10, f"{tag} bf16 resumed 2 -> 1 ranks: {d}"
 
 
 # ---- checksums and readers, on a run directory laid out by hand (no ranks) -----------------------------------------
