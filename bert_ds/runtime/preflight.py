@@ -313,8 +313,12 @@ def _check_loader_state(plan: RunPlan) -> None:
                           seed=plan.recipe.seed + start.phase, num_workers=0, expected_seq_len=phase.seq_len,
                           expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
                           shuffle_window_shards=phase.shuffle_window_shards, verify="size")
+    state = ckpt.read_run_state(plan.ckpt_dir, start.tag).get("loader")
+    if not isinstance(state, dict):
+        raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: run_state.json holds no loader "
+                         "position ('loader'), so the sample stream cannot continue exactly; resume from another tag")
     try:
-        loader.load_state_dict(ckpt.read_run_state(plan.ckpt_dir, start.tag)["loader"])
+        loader.load_state_dict(state)
     except ValueError as exc:
         raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}") from exc
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bert_ds.data.loader import build_loader
 from bert_ds.recipe import Recipe
 from bert_ds.runtime.preflight import StartPoint, plan_run
 from bert_ds.runtime.pretrain import parse_args
@@ -20,12 +21,19 @@ def _plan(tmp_path: Path, data: tuple[Path, Path], *extra: str, recipe: dict | N
     return plan_run(args, Recipe.from_dict(json.loads(path.read_text())), rank=0, world_size=world_size)
 
 
-def _fake_checkpoint(run: Path, phase: int, step: int, done: bool) -> str:
-    """The two files pre-flight reads of a checkpoint: ``latest`` and the tag's run_state.json."""
+def _fake_checkpoint(run: Path, phase: int, step: int, done: bool, data: Path | None = None) -> str:
+    """The two files pre-flight reads of a checkpoint: ``latest`` and the tag's run_state.json; with ``data`` (a
+    mid-phase tag), the loader position a run over that shard set saves after ``step`` steps."""
     tag = f"phase{phase + 1}-step{step:06d}"
     (run / "checkpoints" / tag).mkdir(parents=True)
-    state = {"recipe": Recipe.from_dict(SMALL_RECIPE).to_dict(), "phase": phase, "step": step, "phase_done": done,
-             "world_size": 1}
+    recipe = Recipe.from_dict(SMALL_RECIPE)
+    state = {"recipe": recipe.to_dict(), "phase": phase, "step": step, "phase_done": done, "world_size": 1}
+    if data is not None:
+        p = recipe.phases[phase]
+        loader = build_loader(data, global_batch_size=p.global_batch_size, micro_batch_size=p.micro_batch_size,
+                              rank=0, world_size=1, seed=recipe.seed + phase, num_workers=0,
+                              max_predictions=p.max_predictions, shuffle_window_shards=p.shuffle_window_shards)
+        state["loader"] = {**loader.state_dict(), "consumed_global_batches": step}
     (run / "checkpoints" / tag / "run_state.json").write_text(json.dumps(state))
     (run / "checkpoints" / "latest").write_text(tag)
     return tag
@@ -43,7 +51,10 @@ def test_fresh_plan(synthetic_data, tmp_path):
 def test_resume_points(synthetic_data, tmp_path):
     run = tmp_path / "run"
     tag = _fake_checkpoint(run, phase=0, step=2, done=False)
-    assert _plan(tmp_path, synthetic_data, "--resume", "auto").start == StartPoint(0, 2, tag, False)
+    with pytest.raises(ValueError, match="run_state.json holds no loader position"):
+        _plan(tmp_path, synthetic_data, "--resume", "auto")
+    tag = _fake_checkpoint(run, phase=0, step=3, done=False, data=synthetic_data[0])
+    assert _plan(tmp_path, synthetic_data, "--resume", "auto").start == StartPoint(0, 3, tag, False)
     with pytest.raises(ValueError, match="--resume auto"):
         _plan(tmp_path, synthetic_data)  # an existing checkpoint is never silently overwritten
     tag = _fake_checkpoint(run, phase=0, step=4, done=True)

@@ -170,7 +170,8 @@ def resume_other_shard_set(ctx: Ctx) -> Launch:
 
 def resume_changed_recipe(ctx: Ctx) -> Launch:
     ctx.copy_run()
-    recipe = fault_recipe(ctx.tmp / "changed.json", **{"phases.0.lr": 3e-2})
+    # lr alone may change on resume (the non-finite guard's advice); the warm-up changes the run's numbers
+    recipe = fault_recipe(ctx.tmp / "changed.json", **{"phases.0.warmup_fraction": 0.5})
     args = ctx.args("--resume", "auto")
     args[args.index("--recipe") + 1] = str(recipe)
     return Launch(rank_command(2, args))
@@ -315,8 +316,8 @@ CASES = [
     Case("resume-other-shard-set", "1", "--resume auto with another phase-1 shard set, same tokenizer",
          resume_other_shard_set, 2, r"phase1-step000002: loader state: field '\w+' is .* but this loader has",
          _unchanged),
-    Case("resume-changed-recipe", "1", "--resume auto with phases[0].lr changed", resume_changed_recipe, 2,
-         r"different recipe; field\(s\) \['phases\[0\]\.lr'\] differ", _unchanged),
+    Case("resume-changed-recipe", "1", "--resume auto with phases[0].warmup_fraction changed", resume_changed_recipe,
+         2, r"different recipe; field\(s\) \['phases\[0\]\.warmup_fraction'\] differ", _unchanged),
     Case("resume-none-over-checkpoint", "1", "no --resume on an --output holding a checkpoint",
          resume_none_over_checkpoint, 2, r"already holds checkpoint 'phase1-step000002': pass --resume auto",
          _unchanged),
