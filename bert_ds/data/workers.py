@@ -84,6 +84,7 @@ def _from_workers(dataset: Dataset, indices: Iterator[int] | Sampler, num_worker
     it = iter(loader)
     watch = (slots, dataset.collate.reader)
     _WATCHED[id(watch)] = watch
+    _POOL_SLOTS.append(slots)
     _record_worker_deaths()
     _stop_workers_at_exit()
     try:
@@ -171,13 +172,17 @@ def _record_worker_deaths() -> None:
 
 
 _EXIT_HOOKED = False
+_POOL_SLOTS: list = []
+"""The (pid, shard, index) slots of every pool this process started: a pool no longer watched may still have live
+workers (its iterator kept alive by a reference cycle or a caller), and they ignore SIGTERM too."""
 
 
 def _stop_workers_at_exit() -> None:
-    """At interpreter exit, SIGKILL the workers of every pool still open (a rank leaving on an error while a pool's
-    iterator is suspended in a traceback): they ignore SIGTERM (:func:`_init_worker`), so multiprocessing's own exit
-    hook, which terminates daemonic children with SIGTERM and then joins them, would wait for them forever. Registered
-    after multiprocessing's hook, so it runs first (atexit is last in, first out). Workers hold nothing to save."""
+    """At interpreter exit, SIGKILL the workers of every pool still alive (a rank leaving on an error while a pool's
+    iterator is suspended in a traceback; an iterator a caller still holds): they ignore SIGTERM
+    (:func:`_init_worker`), so multiprocessing's own exit hook, which terminates daemonic children with SIGTERM and
+    then joins them, would wait for them forever. Registered after multiprocessing's hook, so it runs first (atexit
+    is last in, first out). Workers hold nothing to save."""
     global _EXIT_HOOKED
     if not _EXIT_HOOKED:
         atexit.register(_kill_open_pools)
@@ -185,15 +190,15 @@ def _stop_workers_at_exit() -> None:
 
 
 def _kill_open_pools() -> None:
-    ours = {int(pid) for slots, _ in _WATCHED.values() for pid in np.frombuffer(slots, dtype=np.int64)[0::3] if pid}
-    if not ours:
+    ours = {int(pid) for slots in _POOL_SLOTS for pid in np.frombuffer(slots, dtype=np.int64)[0::3] if pid}
+    live = [child for child in multiprocessing.active_children() if child.pid in ours]  # our children only
+    if not live:
         return
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # these deaths are ours, not a failure to report
-    for child in multiprocessing.active_children():
-        if child.pid in ours:
-            child.kill()
-            child.join()
+    for child in live:
+        child.kill()
+        child.join()
 
 
 def _identity(batch):
