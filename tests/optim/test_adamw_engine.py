@@ -4,7 +4,8 @@ on, real text) lands where a plain one-process ``torch.optim.AdamW`` loop lands.
 The bound comes from the comparison's own noise: the same plain loop run in float64 is the truth; the engine's weights
 (all tensors as one vector, relative norm of the difference) must be no further from it than 10 times the plain fp32
 loop's own rounding distance from it (each is fp32 with its own summation order). Per tensor, Adam turns rounding
-noise in near-zero gradients into full lr-sized steps (attention key biases, REFERENCE.md), so the whole vector is
+noise in near-zero gradients into full lr-sized steps (attention key biases: true gradient 0, see
+tests/optim/test_lamb_engine.py), so the whole vector is
 the measure. A wrong optimizer (weight decay on biases and LayerNorm too, or Adam's L2 penalty instead of
 decoupled decay) lands orders of magnitude outside the bound, which the test also checks, so the bound can fail.
 """
@@ -36,7 +37,8 @@ RECIPE = {
     "model_overrides": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
     # The paper's optimizer settings (bert_base_paper.json) at a tiny model's learning rate.
     "optimizer": {"name": "adamw", "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01},
-    # Clipping off: ZeRO 1/2 and a plain loop clip with norms summed in different orders (REFERENCE.md), which would
+    # Clipping off: ZeRO 1/2 and a plain loop clip with norms summed in different orders (tests/optim/
+    # test_lamb_engine.py measures that clip error), which would
     # add its own noise to what this test measures.
     "deepspeed": {"zero_stage": 2, "precision": "fp32", "gradient_clipping": 0.0, "overlap_comm": True},
     "phases": [{"seq_len": 128, "steps": STEPS, "schedule_steps": 1000, "global_batch_size": 4, "micro_batch_size": 1,
