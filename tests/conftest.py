@@ -126,3 +126,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"  {rep.nodeid}")
     terminalreporter.write_line("Run them with the one-node cluster CI uses (Debian packages slurm-wlm and munge):")
     terminalreporter.write_line("  sudo .ci/start_slurm.sh && make test    (as root: .ci/start_slurm.sh && make test)")
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_processes_leak(request):
+    """A test that leaves a multiprocessing child of this process running (a loader pool never closed) fails here,
+    naming it: pytest would wait for it at exit (loader workers ignore SIGTERM, bert_ds.data.workers)."""
+    import multiprocessing
+    import time
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    yield
+    deadline = time.monotonic() + 30
+    leaked = [p for p in multiprocessing.active_children() if p.pid not in before]
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked = [p for p in multiprocessing.active_children() if p.pid not in before and p.is_alive()]
+    for p in leaked:
+        p.kill()
+        p.join(5)
+    assert not leaked, f"the test left {len(leaked)} worker process(es) running: {[p.name for p in leaked]}"
