@@ -30,9 +30,9 @@ SCORE_LINE = re.compile(r"held-out masked-LM accuracy of the export \((seq \d+)\
                         r"positions vs unigram baseline ([\d.]+)% \(always '(.+)'\): ([\d.]+)x\n"
                         r" +at the (\d+) \[MASK\] positions alone: ([\d.]+)% vs ([\d.]+)% \(always '(.+)'\): "
                         r"([\d.]+)x")
-GAIN_LINE = re.compile(r"^fine-tune word-order \(adjacent-word swap\): pre-trained ([\d.]+)%  random init ([\d.]+)%  "
-                       r"majority ([\d.]+)%  \(held-out median of (\d+) seeds; per seed pre-trained/random "
-                       r"([\d./, ]+)\)$", re.M)
+GAIN_LINE = re.compile(r"^fine-tune shuffled-word detection: pre-trained ([\d.]+)%  random init ([\d.]+)%  "
+                       r"majority ([\d.]+)%  margin ([+-][\d.]+) points  \(held-out median of (\d+) seeds; per seed "
+                       r"pre-trained/random ([\d./, ]+)\)$", re.M)
 
 
 def test_split_corpus_holds_out_whole_documents(tmp_path):
@@ -106,8 +106,9 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     # full demo fails unless the export wins, and docs/demo.md has the measured figures).
     gain = GAIN_LINE.search(first.stdout)
     assert gain, first.stdout[-3000:]
-    pre, rnd, majority = float(gain[1]), float(gain[2]), float(gain[3])
-    assert int(gain[4]) == 1 and gain[5] == f"{pre:.1f}/{rnd:.1f}" and 35 < majority < 65, gain[0]
+    pre, rnd, majority, margin = float(gain[1]), float(gain[2]), float(gain[3]), float(gain[4])
+    assert int(gain[5]) == 1 and gain[6] == f"{pre:.1f}/{rnd:.1f}" and 35 < majority < 65, gain[0]
+    assert abs(margin - (pre - max(rnd, majority))) < 0.11, gain[0]
     last = [line for line in first.stdout.splitlines() if line.strip()][-2:]
     assert last[0] == gain[0] and last[1].startswith("demo finished in"), last
     assert "both phases from the warm-up's weights" in first.stdout
@@ -130,3 +131,30 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert f"replacing the previous warm-up export {out / 'warmup_export'}" in second.stdout
     assert f"replacing the previous export {out / 'export'}" in second.stdout
     assert png.stat().st_size > 40_000
+
+
+def test_shuffle_task_differs_only_in_word_order(english_corpus):
+    from bert_ds.devtools.pretraining_gain import _sentences, shuffle_examples
+
+    originals = {" ".join(words) for words in _sentences(english_corpus)}
+    examples = shuffle_examples(english_corpus, 400, seed=3)
+    assert len({text for text, _ in examples}) > 390  # the licences repeat a few sentences word for word
+    labels = [label for _, label in examples]
+    assert 150 < sum(labels) < 250  # about half shuffled
+    for text, label in examples:
+        if label == 0:
+            assert text in originals
+            continue
+        words = text.split()
+        twins = [o.split() for o in originals if sorted(o.split()) == sorted(words)
+                 and o.split()[0] == words[0] and o.split()[-1] == words[-1]]
+        assert twins and all(t != words for t in twins), text  # same words, same ends, another order
+
+
+def test_gain_margin_is_against_the_better_of_random_init_and_majority():
+    from bert_ds.devtools.pretraining_gain import MIN_GAIN, GainResult
+
+    result = GainResult(pretrained=[0.70, 0.78, 0.75], random_init=[0.52, 0.50, 0.56], majority=0.48)
+    assert abs(result.margin - (0.75 - 0.52)) < 1e-12 and result.helps
+    assert not GainResult(pretrained=[0.55], random_init=[0.40], majority=0.52).helps  # 3 points above majority
+    assert GainResult(pretrained=[0.521 + MIN_GAIN], random_init=[0.52], majority=0.5).helps

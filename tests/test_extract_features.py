@@ -118,3 +118,17 @@ def test_bad_input_exits_2(export_dir, text_file, tmp_path, capsys, args, patter
     err = capsys.readouterr().err
     assert err.startswith("bert-ds-extract-features: error: ") and len(err.splitlines()) == 1 and pattern in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_default_layers_of_a_model_with_fewer_than_four(tokenizer_dir, text_file, tmp_path):
+    """The default (the paper's last four) takes every encoder layer of a 2-layer model, never the embeddings; an
+    explicit -4 is still refused."""
+    small = random_tiny_export(tokenizer_dir, tmp_path / "two_layers", num_hidden_layers=2)
+    out = tmp_path / "features.npy"
+    assert _cli()(["--model", str(small), "--input", str(text_file), "--out", str(out), "--pooling", "cls",
+                   "--device", "cpu"]) == 0
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["layers"] == [-1, -2] and sidecar["hidden_state_indices"] == [2, 1]
+    assert np.load(out).shape[1] == 2 * transformers.AutoConfig.from_pretrained(small).hidden_size
+    assert _cli()(["--model", str(small), "--input", str(text_file), "--out", str(tmp_path / "x.npy"),
+                   "--layers=-1,-4", "--device", "cpu"]) == 2

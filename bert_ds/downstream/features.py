@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["PAIR_SEPARATOR", "COMBINATIONS", "POOLINGS", "FeatureSpec", "parse_layers", "resolve_layers",
-           "read_sequences", "combine_layers", "pool", "extract_features", "main"]
+__all__ = ["PAIR_SEPARATOR", "COMBINATIONS", "POOLINGS", "FeatureSpec", "parse_layers", "default_layers",
+           "resolve_layers", "read_sequences", "combine_layers", "pool", "extract_features", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +42,16 @@ POOLINGS = ("tokens", "cls", "mean")
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    layers: tuple[int, ...] = (-1, -2, -3, -4)
-    """Hidden-state indices (0 = embeddings, negative from the last layer). Default: BERT paper §5.3's best."""
+    layers: tuple[int, ...] | None = None
+    """Hidden-state indices (0 = embeddings, negative from the last layer). None: the last four encoder layers, BERT
+    paper §5.3's best (every encoder layer of a model with fewer than four, :func:`default_layers`)."""
     combine: str = "concat"
     pooling: str = "tokens"
 
     def __post_init__(self) -> None:
-        if not self.layers:
+        if self.layers is not None and not self.layers:
             raise ValueError("layers: give at least one layer index")
-        if len(set(self.layers)) != len(self.layers):
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
             raise ValueError(f"layers={list(self.layers)}: an index is repeated")
         if self.combine not in COMBINATIONS:
             raise ValueError(f"combine={self.combine!r}: choose one of {COMBINATIONS}")
@@ -64,6 +65,11 @@ def parse_layers(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError as exc:
         raise ValueError(f"layers={text!r}: expected comma-separated integers such as -1,-2,-3,-4") from exc
+
+
+def default_layers(num_hidden_layers: int) -> tuple[int, ...]:
+    """-1, -2, -3, -4: the last four encoder layers, or all of a model that has fewer (never the embedding output)."""
+    return tuple(-i for i in range(1, min(4, num_hidden_layers) + 1))
 
 
 def resolve_layers(layers: tuple[int, ...], num_hidden_layers: int) -> list[int]:
@@ -127,11 +133,11 @@ def _encode(tokenizer, sequences, max_seq_length: int) -> tuple[list[dict], list
     return encoded, truncated
 
 
-def _sidecar(out: Path, shape: tuple, model_dir, input_file, spec: FeatureSpec, indices, config, max_seq_length,
+def _sidecar(out: Path, shape: tuple, model_dir, input_file, spec: FeatureSpec, layers, indices, config, max_seq_length,
              sequences, encoded, truncated, tokenizer) -> dict:
     return {
         "array": out.name, "shape": list(shape), "dtype": "float32", "model": str(model_dir), "input": str(input_file),
-        "layers": list(spec.layers), "hidden_state_indices": indices, "num_hidden_layers": config.num_hidden_layers,
+        "layers": list(layers), "hidden_state_indices": indices, "num_hidden_layers": config.num_hidden_layers,
         "combine": spec.combine, "pooling": spec.pooling, "hidden_size": config.hidden_size,
         "max_seq_length": max_seq_length,
         "sequences": [{"line": number, "pair": b is not None, "truncated": cut,
@@ -155,7 +161,11 @@ def extract_features(model_dir: str | Path, input_file: str | Path, out_file: st
     if max_seq_length > config.max_position_embeddings:
         raise ValueError(f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings}")
-    indices = resolve_layers(spec.layers, config.num_hidden_layers)
+    layers = spec.layers or default_layers(config.num_hidden_layers)
+    if spec.layers is None and len(layers) < 4:
+        log.info("the model has %d encoder layers: combining all of them (%s), not the last four",
+                 config.num_hidden_layers, ",".join(map(str, layers)))
+    indices = resolve_layers(layers, config.num_hidden_layers)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -178,7 +188,7 @@ def extract_features(model_dir: str | Path, input_file: str | Path, out_file: st
                 array[start:start + len(rows), :rows.shape[1]] = rows
         array.flush()
         del array
-        sidecar = _sidecar(out, shape, model_dir, input_file, spec, indices, config, max_seq_length, sequences,
+        sidecar = _sidecar(out, shape, model_dir, input_file, spec, layers, indices, config, max_seq_length, sequences,
                            encoded, truncated, tokenizer)
         out.with_suffix(".json").write_text(json.dumps(sidecar, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, out)
@@ -197,8 +207,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help=f"text file, one sequence a line; 'A{PAIR_SEPARATOR}B' is a "
                         "sentence pair")
     parser.add_argument("--out", required=True, help="output .npy (the sidecar is the same name with .json)")
-    parser.add_argument("--layers", default="-1,-2,-3,-4", help="hidden states to combine: 0 = embeddings, 1..L the "
-                        "layers, negative from the last (default: -1,-2,-3,-4, the paper's last four)")
+    parser.add_argument("--layers", default=None, help="hidden states to combine: 0 = embeddings, 1..L the "
+                        "layers, negative from the last (default: -1,-2,-3,-4, the paper's last four; every encoder "
+                        "layer of a model with fewer)")
     parser.add_argument("--combine", choices=COMBINATIONS, default="concat",
                         help="how the layers are combined (default: concat)")
     parser.add_argument("--pooling", choices=POOLINGS, default="tokens", help="tokens: one vector per WordPiece; "
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        spec = FeatureSpec(parse_layers(args.layers), args.combine, args.pooling)
+        spec = FeatureSpec(parse_layers(args.layers) if args.layers is not None else None, args.combine, args.pooling)
         sidecar = extract_features(args.model, args.input, args.out, spec, max_seq_length=args.max_seq_length,
                                    batch_size=args.batch_size, device=args.device)
     except (OSError, ValueError) as exc:
