@@ -30,8 +30,8 @@ SCORE_LINE = re.compile(r"held-out masked-LM accuracy of the export \((seq \d+)\
                         r"positions vs unigram baseline ([\d.]+)% \(always '(.+)'\): ([\d.]+)x\n"
                         r" +at the (\d+) \[MASK\] positions alone: ([\d.]+)% vs ([\d.]+)% \(always '(.+)'\): "
                         r"([\d.]+)x")
-GAIN_LINE = re.compile(r"^fine-tune shuffled-word detection: pre-trained ([\d.]+)%  random init ([\d.]+)%  "
-                       r"majority ([\d.]+)%  margin ([+-][\d.]+) points  \(held-out median of (\d+) seeds; per seed "
+GAIN_LINE = re.compile(r"^fine-tune replaced-word detection \(F1 of the replaced words\): pre-trained ([\d.]+)  "
+                       r"random init ([\d.]+)  majority ([\d.]+)  margin ([+-][\d.]+) points  \(held-out median of (\d+) seeds; per seed "
                        r"pre-trained/random ([\d./, ]+)\)$", re.M)
 
 
@@ -107,7 +107,7 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     gain = GAIN_LINE.search(first.stdout)
     assert gain, first.stdout[-3000:]
     pre, rnd, majority, margin = float(gain[1]), float(gain[2]), float(gain[3]), float(gain[4])
-    assert int(gain[5]) == 1 and gain[6] == f"{pre:.1f}/{rnd:.1f}" and 35 < majority < 65, gain[0]
+    assert int(gain[5]) == 1 and gain[6] == f"{pre:.1f}/{rnd:.1f}" and majority == 0.0, gain[0]  # all "original"
     assert abs(margin - (pre - max(rnd, majority))) < 0.11, gain[0]
     last = [line for line in first.stdout.splitlines() if line.strip()][-2:]
     assert last[0] == gain[0] and last[1].startswith("demo finished in"), last
@@ -133,28 +133,32 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert png.stat().st_size > 40_000
 
 
-def test_shuffle_task_differs_only_in_word_order(english_corpus):
-    from bert_ds.devtools.pretraining_gain import _sentences, shuffle_examples
+def test_replaced_word_task_replaces_a_sixth_of_each_sentence_from_its_own_text(english_corpus):
+    from bert_ds.devtools.pretraining_gain import _sentences, replaced_word_examples
 
-    originals = {" ".join(words) for words in _sentences(english_corpus)}
-    examples = shuffle_examples(english_corpus, 400, seed=3)
-    assert len({text for text, _ in examples}) > 390  # the licences repeat a few sentences word for word
-    labels = [label for _, label in examples]
-    assert 150 < sum(labels) < 250  # about half shuffled
-    for text, label in examples:
-        if label == 0:
-            assert text in originals
-            continue
-        words = text.split()
-        twins = [o.split() for o in originals if sorted(o.split()) == sorted(words)
-                 and o.split()[0] == words[0] and o.split()[-1] == words[-1]]
-        assert twins and all(t != words for t in twins), text  # same words, same ends, another order
+    sentences = _sentences(english_corpus)
+    originals = {len(words): set() for words in sentences}
+    for words in sentences:
+        originals[len(words)].add(tuple(words))
+    vocabulary = {w for words in sentences for w in words}
+    records = replaced_word_examples(english_corpus, 300, seed=3)
+    assert len(records) == 300
+    for record in records:
+        tokens, tags = record["tokens"], record["tags"]
+        replaced = [i for i, t in enumerate(tags) if t == "B-REP"]
+        assert set(tags) <= {"O", "B-REP"} and replaced == sorted(replaced)
+        assert len(replaced) == max(1, round(0.15 * len(tokens)))
+        assert all(tokens[i] in vocabulary for i in replaced)  # drawn from the same text
+        # the sentence it came from: same length, same words wherever the tag is "O", another word where replaced
+        sources = [o for o in originals[len(tokens)] if all(o[i] == w for i, w in enumerate(tokens)
+                                                            if tags[i] == "O")]
+        assert any(all(o[i].lower() != tokens[i].lower() for i in replaced) for o in sources), record
 
 
 def test_gain_margin_is_against_the_better_of_random_init_and_majority():
     from bert_ds.devtools.pretraining_gain import MIN_GAIN, GainResult
 
-    result = GainResult(pretrained=[0.70, 0.78, 0.75], random_init=[0.52, 0.50, 0.56], majority=0.48)
-    assert abs(result.margin - (0.75 - 0.52)) < 1e-12 and result.helps
+    result = GainResult(pretrained=[0.19, 0.11, 0.14], random_init=[0.01, 0.005, 0.005], majority=0.0)
+    assert abs(result.margin - (0.14 - 0.005)) < 1e-12 and result.helps
     assert not GainResult(pretrained=[0.55], random_init=[0.40], majority=0.52).helps  # 3 points above majority
     assert GainResult(pretrained=[0.521 + MIN_GAIN], random_init=[0.52], majority=0.5).helps

@@ -109,6 +109,10 @@ def _from_workers(dataset: Dataset, indices: Iterator[int] | Sampler, num_worker
         _WATCHED.pop(id(watch), None)
         if not _WATCHED:  # records name workers of watched pools only: none is left to report on
             _DIED.clear()
+        # Stop the pool now, not when the garbage collector gets to it: the traceback of an error raised above (a
+        # ShardError a caller catches and keeps) holds this frame, and with it the iterator and its workers, which
+        # ignore SIGTERM. The last reference gone, torch's iterator shuts its workers down (__del__).
+        del it
 
 
 _WATCHED: dict[int, tuple] = {}

@@ -17,9 +17,9 @@ Steps, each printed as it starts:
    answering the most frequent masked token of the same positions), overall and at [MASK] positions alone (see
    :class:`Score`), and ``pipeline("fill-mask")`` on held-out sentences;
 8. the curves (``bert-ds-plot-run``, :mod:`bert_ds.devtools.plot_run`);
-9. does pre-training help? A shuffled-word task built from the same text (``bert_ds.devtools.pretraining_gain``),
+9. does pre-training help? A replaced-word task built from the same text (``bert_ds.devtools.pretraining_gain``),
    fine-tuned from the export and from random initialisation with the same seeds, scored on held-out sentences next
-   to the majority label; the demo's last line. The export must win by ``pretraining_gain.MIN_GAIN``.
+   to the majority tag; the demo's last line. The export must win by ``pretraining_gain.MIN_GAIN``.
 
 Output directory (default ``demo_run/``): ``data/`` (corpus, tokenizer, shards and ``inputs.json``, what they were
 made from) is reused when a later run would make the same data and rebuilt otherwise; ``warmup_run/``,
@@ -485,7 +485,7 @@ def _pretrain(out: Path, dirs: dict[str, Path], quick: bool) -> Path:
 
 
 def _pretraining_gain(out: Path, dirs: dict[str, Path], export_dir: Path, quick: bool):
-    """Step 9: the export vs random init, fine-tuned on the shuffled-word task (quick: one small seed, shape only)."""
+    """Step 9: the export vs random init, fine-tuned on the replaced-word task (quick: one small seed, shape only)."""
     from bert_ds.devtools.pretraining_gain import GainSettings, compare
 
     settings = GainSettings(n_train=160, n_eval=96, seeds=(1,), epochs=1.0) if quick else GainSettings()
@@ -497,7 +497,7 @@ def _pretraining_gain(out: Path, dirs: dict[str, Path], export_dir: Path, quick:
     with _quiet_transformers():
         result = compare(export_dir, dirs["train"], dirs["heldout"], work, settings)
     for seed, pre, rnd in zip(settings.seeds, result.pretrained, result.random_init, strict=True):
-        _say(f"    seed {seed}: pre-trained {100 * pre:.1f}%  random init {100 * rnd:.1f}%")
+        _say(f"    seed {seed}: pre-trained {100 * pre:.1f}  random init {100 * rnd:.1f} (F1)")
     return result
 
 
