@@ -31,8 +31,8 @@ SCORE_LINE = re.compile(r"held-out masked-LM accuracy of the export \((seq \d+)\
                         r" +at the (\d+) \[MASK\] positions alone: ([\d.]+)% vs ([\d.]+)% \(always '(.+)'\): "
                         r"([\d.]+)x")
 GAIN_LINE = re.compile(r"^fine-tune replaced-word detection \(F1 of the replaced words\): pre-trained ([\d.]+)  "
-                       r"random init ([\d.]+)  majority ([\d.]+)  margin ([+-][\d.]+) points  \(held-out median of (\d+) seeds; per seed "
-                       r"pre-trained/random ([\d./, ]+)\)$", re.M)
+                       r"random init ([\d.]+)  majority ([\d.]+)  margin ([+-][\d.]+) points  "
+                       r"\(held-out median of (\d+) seeds; per seed pre-trained/random ([\d./, ]+)\)$", re.M)
 
 
 def test_split_corpus_holds_out_whole_documents(tmp_path):
