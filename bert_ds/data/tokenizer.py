@@ -292,18 +292,30 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
     skipped = SkipCounts()
     fed = 0
 
-    def texts() -> Iterator[str]:
+    def texts(counts: SkipCounts) -> Iterator[str]:
         nonlocal fed
-        for text in iter_training_texts(files, limits, skipped, input_format):
+        for text in iter_training_texts(files, limits, counts, input_format):
             if text.strip():
                 fed += 1
                 yield text
 
-    with _staging_dir(out) as stage:
+    def train(extra: list[str], size: int, counts: SkipCounts) -> BertWordPieceTokenizer:
         tok = _bert_pipeline(None, lowercase=not cased)
-        tok.train_from_iterator(texts(), vocab_size=vocab_size, min_frequency=min_frequency,
-                                limit_alphabet=limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
-                                wordpieces_prefix="##", show_progress=False)
+        tok.train_from_iterator(texts(counts), vocab_size=size, min_frequency=min_frequency,
+                                limit_alphabet=limit_alphabet,
+                                special_tokens=[*SPECIAL_TOKENS, *extra], wordpieces_prefix="##", show_progress=False)
+        return tok
+
+    with _staging_dir(out) as stage:
+        # Two passes, so that the same text always gives the same vocabulary. tokenizers' trainer gives the "##c"
+        # continuation tokens their ids in hash-map order, and breaks ties between merges by those ids: a vocabulary
+        # differed from run to run (huggingface/tokenizers#1794). Pass 1 (no merges) finds them; pass 2 is seeded with
+        # them, sorted, right after the special tokens, so no id is left to hash order. The seeds are ordinary
+        # WordPiece entries of the result: they are taken out of the special (added) tokens below.
+        continuation = sorted(t for t in train([], len(SPECIAL_TOKENS) + 1, SkipCounts()).get_vocab()
+                              if t.startswith("##") and len(t) == 3)
+        fed = 0
+        tok = train(continuation, vocab_size, skipped)
         if fed == 0 or tok.get_vocab_size() <= len(SPECIAL_TOKENS):
             note = (f" ({skipped.long_lines} line(s) over max_document_bytes={max_document_bytes} and "
                     f"{skipped.long_sentences} over max_sentence_chars={max_sentence_chars} skipped)"
@@ -314,13 +326,21 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
         # Exception): an OSError names the file and is reported as one line with exit 2.
         by_id = sorted(tok.get_vocab().items(), key=lambda item: item[1])
         _write_text(stage / VOCAB_NAME, "".join(f"{token}\n" for token, _ in by_id), out)
-        _write_text(stage / "tokenizer.json", tok.to_str(), out)
+        _write_text(stage / "tokenizer.json", _without_added(tok.to_str(), continuation), out)
         meta = {"lowercase": not cased,
                 "limits": {"max_document_bytes": max_document_bytes, "max_sentence_chars": max_sentence_chars},
                 "skipped": {"long_lines": skipped.long_lines, "long_sentences": skipped.long_sentences}}
         _write_text(stage / META_NAME, json.dumps(meta) + "\n", out)
         _install(stage, out)
     return out
+
+
+def _without_added(tokenizer_json: str, tokens: list[str]) -> str:
+    """The tokenizer with ``tokens`` removed from its added (special) tokens; they stay in the WordPiece vocabulary."""
+    data = json.loads(tokenizer_json)
+    drop = set(tokens)
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] not in drop]
+    return json.dumps(data, ensure_ascii=False)
 
 
 def _write_text(path: Path, text: str, out: Path) -> None:

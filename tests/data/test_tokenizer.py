@@ -179,3 +179,28 @@ def test_skips_are_printed_and_recorded(english_corpus, tmp_path, capsys):
     assert meta["skipped"] == {"long_lines": 1, "long_sentences": 1}
     assert meta["limits"] == {"max_document_bytes": 10000, "max_sentence_chars": 2000}
 
+
+
+def test_the_same_text_gives_the_same_vocabulary(english_corpus, tokenizer_dir, tmp_path):
+    """tokenizers' trainer numbers the "##c" continuation tokens in hash-map order and breaks merge ties by those ids
+    (huggingface/tokenizers#1794): unseeded, three trainings on this corpus gave three vocabularies. Trained here in
+    fresh processes (a hash-map's seed is per process) and in this one, the files must be byte-identical."""
+    import subprocess
+    import sys
+
+    from tests.helpers import HANG_GUARD_S, child_env
+
+    code = ("import sys; from bert_ds.data.tokenizer import train_tokenizer; "
+            "train_tokenizer([sys.argv[1]], sys.argv[2], vocab_size=4000)")
+    outs = [tmp_path / f"run{i}" for i in range(2)]
+    for out in outs:
+        subprocess.run([sys.executable, "-c", code, str(english_corpus), str(out)], check=True, env=child_env(),
+                       timeout=HANG_GUARD_S)
+    for name in ("vocab.txt", "tokenizer.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes() == (tokenizer_dir / name).read_bytes()
+    # The seeds are ordinary WordPiece entries: the only added (special) tokens are BERT's five.
+    from tokenizers import Tokenizer
+
+    fast = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    assert sorted(t.content for t in fast.get_added_tokens_decoder().values()) == sorted(SPECIAL_TOKENS)
+    assert fast.encode("x##a", add_special_tokens=False).ids == load_tokenizer(tokenizer_dir).encode("x##a")
