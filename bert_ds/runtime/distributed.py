@@ -219,6 +219,18 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_process_group() -> None:
+    """Destroy the default process group, if there is one, before this rank exits on a refusal. Left to interpreter
+    exit, gloo's threads were torn down by C++ static destruction, and a rank refusing a resume died of
+    "terminate called without an active exception" (SIGABRT, launcher exit 250 instead of 2) twice in one full test
+    run (2026-11-25, tests/faults/test_fault_table_integrity.py); torch's documentation asks for
+    ``destroy_process_group()`` before exit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def release_shm_buffers() -> list[Path]:
     """Unlink this rank's DeepSpeed CPU all-reduce buffers in /dev/shm (``deepspeed_allreduce_buffer_*_<addr>_<port>_
     <local rank>``, created by the deepspeed_shm_comm extension on CPU). DeepSpeed 0.19 never unlinks them, so every
