@@ -30,7 +30,16 @@ from bert_ds.data.reader import verify_shard_set
 from bert_ds.downstream.readers import MAX_CELL_CHARS
 from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.downstream_data import MINILM
-from tests.helpers.faults import ERROR_LINE, Launch, Outcome, execute, fault_recipe, limit_file_size, report_row
+from tests.helpers.faults import (
+    ERROR_LINE,
+    Launch,
+    Outcome,
+    execute,
+    fault_recipe,
+    limit_file_size,
+    report_row,
+    tree_bytes,
+)
 from tests.helpers.ranks import REPO, rank_command
 
 pytestmark = pytest.mark.slow
@@ -60,10 +69,6 @@ class Ctx:
         data = data or (self.s128, self.s512)
         return ["--recipe", str(fault_recipe(self.tmp / "recipe.json")), "--data", *map(str, data), "--tokenizer",
                 str(self.tokenizer), "--output", str(output or self.tmp / "run")]
-
-
-def tree_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 # ---- item 6: one --out, one writer ----------------------------------------------------------------------------------

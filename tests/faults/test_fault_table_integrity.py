@@ -10,7 +10,6 @@ the shipped ``ds_configs/tiny_cpu.json`` (dropout 0.1, ZeRO-2, LAMB) cut to 6 + 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import shutil
@@ -32,6 +31,7 @@ from tests.helpers.faults import (
     fault_recipe,
     report_row,
     tool_cmd,
+    tree_bytes,
 )
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import weights
@@ -75,12 +75,6 @@ class Ctx:
     def convert(self, tag: str | None = None) -> Launch:
         return Launch(tool_cmd("convert_checkpoint.py", ["--checkpoint", str(self.run / "checkpoints"), "--out",
                                                          str(self.tmp / "hf"), *(["--tag", tag] if tag else [])]))
-
-
-def tree_bytes(root: Path) -> dict[str, str]:
-    """Every file under ``root`` (relative path -> sha256 of its content): the list and the bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _unchanged(ctx: Ctx, out: Outcome) -> str:

@@ -243,6 +243,12 @@ def limit_file_size(limit_bytes: int) -> Callable[[], None]:
     return apply
 
 
+def tree_bytes(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256 of its content): the list and the bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 # ---- shard surgery ----------------------------------------------------------------------------------------------
 
 def patch_file(path: Path, offset: int, value: bytes) -> None:
