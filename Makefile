@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: venv demo test test-fast lint bench clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: setup.cfg pyproject.toml tools/system_packages.sh
 	# Each step runs only when what it installs is missing, so an environment built by hand (README "Install") is
 	# reused, not rebuilt; pip itself skips requirements that are already satisfied.
 	# Debian packages (venv, compiler, Open MPI), each only when missing: as root directly, as a user with sudo.

@@ -133,7 +133,7 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert png.stat().st_size > 40_000
 
 
-def test_replaced_word_task_replaces_a_sixth_of_each_sentence_from_its_own_text(english_corpus):
+def test_replaced_word_task_replaces_15_percent_of_each_sentence_from_its_own_text(english_corpus):
     from bert_ds.devtools.pretraining_gain import _sentences, replaced_word_examples
 
     sentences = _sentences(english_corpus)
@@ -146,7 +146,7 @@ def test_replaced_word_task_replaces_a_sixth_of_each_sentence_from_its_own_text(
     for record in records:
         tokens, tags = record["tokens"], record["tags"]
         replaced = [i for i, t in enumerate(tags) if t == "B-REP"]
-        assert set(tags) <= {"O", "B-REP"} and replaced == sorted(replaced)
+        assert set(tags) <= {"O", "B-REP"} and len(tags) == len(tokens)
         assert len(replaced) == max(1, round(0.15 * len(tokens)))
         assert all(tokens[i] in vocabulary for i in replaced)  # drawn from the same text
         # the sentence it came from: same length, same words wherever the tag is "O", another word where replaced

@@ -265,8 +265,11 @@ def _runnable(block: str) -> list[Command]:
     return [c for c in all_commands() if c.block == block and rule_of(c).kind == "run"]
 
 
-LAUNCHING = next(c.block for c in all_commands() if c.document == "docs/launching.md" and rule_of(c).kind == "run")
-"""docs/launching.md's block: its single-process run (``--output runs/tiny``) is what the export blocks read."""
+def launching_block() -> str:
+    """docs/launching.md's block: its single-process run (``--output runs/tiny``) is what the export blocks read."""
+    blocks = [c.block for c in all_commands() if c.document == "docs/launching.md" and rule_of(c).kind == "run"]
+    assert blocks, "docs/launching.md has no runnable command: the export blocks have no tiny run to read"
+    return blocks[0]
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +289,7 @@ def run_block(block: str, request, ran: dict[str, Path]) -> Path:
 
 
 def _tiny_run(request, ran) -> Path:
-    return run_block(LAUNCHING, request, ran) / "runs" / "tiny"
+    return run_block(launching_block(), request, ran) / "runs" / "tiny"
 
 
 def _given(block: str, box: Sandbox, request, ran: dict[str, Path]) -> None:

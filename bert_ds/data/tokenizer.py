@@ -25,6 +25,7 @@ import re
 import secrets
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,23 +300,37 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
                 fed += 1
                 yield text
 
-    def train(extra: list[str], size: int, counts: SkipCounts) -> BertWordPieceTokenizer:
+    def train(extra: list[str], size: int, counts: SkipCounts, limit: int,
+              alphabet: list[str] | None = None) -> BertWordPieceTokenizer:
         tok = _bert_pipeline(None, lowercase=not cased)
-        tok.train_from_iterator(texts(counts), vocab_size=size, min_frequency=min_frequency,
-                                limit_alphabet=limit_alphabet,
-                                special_tokens=[*SPECIAL_TOKENS, *extra], wordpieces_prefix="##", show_progress=False)
+        tok.train_from_iterator(texts(counts), vocab_size=size, min_frequency=min_frequency, limit_alphabet=limit,
+                                initial_alphabet=alphabet or [], special_tokens=[*SPECIAL_TOKENS, *extra],
+                                wordpieces_prefix="##", show_progress=False)
         return tok
 
+    def continuation_tokens(tok: BertWordPieceTokenizer) -> list[str]:
+        return sorted(t for t in tok.get_vocab() if t.startswith("##") and len(t) == 3)
+
     with _staging_dir(out) as stage:
-        # Two passes, so that the same text always gives the same vocabulary. tokenizers' trainer gives the "##c"
-        # continuation tokens their ids in hash-map order, and breaks ties between merges by those ids: a vocabulary
-        # differed from run to run (huggingface/tokenizers#1794). Pass 1 (no merges) finds them; pass 2 is seeded with
-        # them, sorted, right after the special tokens, so no id is left to hash order. The seeds are ordinary
-        # WordPiece entries of the result: they are taken out of the special (added) tokens below.
-        continuation = sorted(t for t in train([], len(SPECIAL_TOKENS) + 1, SkipCounts()).get_vocab()
-                              if t.startswith("##") and len(t) == 3)
+        # Same text, same vocabulary, whatever the process. tokenizers' trainer leaves two choices to hash-map order:
+        # (a) the ids of the "##c" continuation tokens, by which it also breaks ties between merges
+        # (huggingface/tokenizers#1794), and (b) which characters it drops when the text has more than limit_alphabet
+        # of them and several share the cut-off count (BpeTrainer::compute_alphabet sorts by count alone). So:
+        # pass 1 (no merges, no alphabet limit) lists the characters; if there are too many, bert_ds counts them and
+        # keeps the most frequent, ties by code point, as an explicit alphabet; a pass with no merges under that
+        # alphabet finds the continuation tokens; the last pass is seeded with them, sorted, right after the special
+        # tokens. The seeds are ordinary WordPiece entries of the result: taken out of the added tokens below.
+        first = train([], len(SPECIAL_TOKENS) + 1, SkipCounts(), limit=2**32)  # no limit
+        limit, alphabet = limit_alphabet, None
+        if sum(len(t) == 1 for t in first.get_vocab()) > limit_alphabet:
+            # An explicit alphabet is kept whole (limit = its size): the trainer has no tie left to break.
+            alphabet = _most_frequent_characters(texts(SkipCounts()), first, limit_alphabet)
+            limit = len(alphabet)
+            continuation = continuation_tokens(train([], len(SPECIAL_TOKENS) + 1, SkipCounts(), limit, alphabet))
+        else:
+            continuation = continuation_tokens(first)
         fed = 0
-        tok = train(continuation, vocab_size, skipped)
+        tok = train(continuation, vocab_size, skipped, limit, alphabet)
         if fed == 0 or tok.get_vocab_size() <= len(SPECIAL_TOKENS):
             note = (f" ({skipped.long_lines} line(s) over max_document_bytes={max_document_bytes} and "
                     f"{skipped.long_sentences} over max_sentence_chars={max_sentence_chars} skipped)"
@@ -333,6 +348,17 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
         _write_text(stage / META_NAME, json.dumps(meta) + "\n", out)
         _install(stage, out)
     return out
+
+
+def _most_frequent_characters(texts: Iterator[str], tok: BertWordPieceTokenizer, limit: int) -> list[str]:
+    """The ``limit`` most frequent non-space characters of ``texts`` after ``tok``'s normalizer (what the trainer
+    counts), ties broken by code point."""
+    counts: Counter[str] = Counter()
+    normalize = tok.normalizer.normalize_str
+    for text in texts:
+        counts.update(normalize(text))
+    ranked = sorted((c for c in counts if not c.isspace()), key=lambda c: (-counts[c], c))
+    return ranked[:limit]
 
 
 def _without_added(tokenizer_json: str, tokens: list[str]) -> str:

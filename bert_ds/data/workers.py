@@ -90,6 +90,7 @@ def _from_workers(dataset: Dataset, indices: Iterator[int] | Sampler, num_worker
     try:
         while True:
             raise_if_worker_died()
+            died = None
             try:
                 flat = next(it)
             except StopIteration:
@@ -99,9 +100,10 @@ def _from_workers(dataset: Dataset, indices: Iterator[int] | Sampler, num_worker
                     raise
                 # torch noticed the death itself (its status poll while waiting for data); the handler may have
                 # recorded the same death meanwhile: report it once
-                message = _DIED[0] if _DIED else _death_message(str(exc), [watch])
+                died = _DIED[0] if _DIED else _death_message(str(exc), [watch])
                 _DIED.clear()
-                raise LoaderWorkerError(message) from None
+            if died is not None:  # raised outside the except: no __context__ whose frames would hold the iterator
+                raise LoaderWorkerError(died)
             if isinstance(flat, _Failure):
                 raise ShardError(flat.message)
             yield dataset.collate.unpack(flat)

@@ -155,12 +155,10 @@ def train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     rank, world_size = init_distributed(recipe.deepspeed.process_group_timeout_s)
     try:
-        try:
-            plan = plan_run(args, recipe, rank, world_size)
-        except (ValueError, FileNotFoundError):  # a refusal (every rank refuses alike): exit with the group left
-            leave_process_group()
-            raise
-        return run(plan)
+        return run(plan_run(args, recipe, rank, world_size))
+    except (ValueError, FileNotFoundError):  # a refusal, before or during the run: one line, exit 2, group left first
+        leave_process_group()
+        raise
     finally:
         release_shm_buffers()
 

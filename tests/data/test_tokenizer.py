@@ -204,3 +204,39 @@ def test_the_same_text_gives_the_same_vocabulary(english_corpus, tokenizer_dir, 
     fast = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     assert sorted(t.content for t in fast.get_added_tokens_decoder().values()) == sorted(SPECIAL_TOKENS)
     assert fast.encode("x##a", add_special_tokens=False).ids == load_tokenizer(tokenizer_dir).encode("x##a")
+
+
+def test_the_alphabet_cut_is_the_same_in_every_process(tmp_path):
+    """With more characters than ``limit_alphabet``, tokenizers' trainer drops the rarest by count alone, so characters
+    tied at the cut-off were kept or dropped in hash-map order: another alphabet, another vocabulary, per process.
+    bert_ds keeps the most frequent, ties by code point. Here 60 Greek/Cyrillic letters occur once each (all tied) and
+    the limit falls among them."""
+    import subprocess
+    import sys
+
+    from tests.helpers import HANG_GUARD_S, child_env
+
+    import unicodedata
+
+    # Letters the normalizer leaves alone (no accent to strip, already lower case), so each is counted once.
+    rare = [c for c in map(chr, [*range(0x3b1, 0x3ca), *range(0x430, 0x460)])
+            if unicodedata.normalize("NFD", c) == c and c.lower() == c][:60]
+    assert len(rare) == 60
+    lines = ["the quick brown fox jumps over the lazy dog and then runs away.\n"] * 50
+    lines += [f"word{c}x is here.\n" for c in rare]
+    src = tmp_path / "corpus.txt"
+    src.write_text("".join(lines), encoding="utf-8")
+    common = {c for c in "".join(lines) if not c.isspace()} - set(rare)
+    limit = len(common) + 20  # 20 of the 60 tied letters are kept
+    code = ("import sys; from bert_ds.data.tokenizer import train_tokenizer; "
+            f"train_tokenizer([sys.argv[1]], sys.argv[2], vocab_size=200, limit_alphabet={limit}, min_frequency=1)")
+    outs = [tmp_path / f"run{i}" for i in range(3)]
+    for out in outs:
+        subprocess.run([sys.executable, "-c", code, str(src), str(out)], check=True, env=child_env(),
+                       timeout=HANG_GUARD_S)
+    vocab = (outs[0] / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    assert all((out / "vocab.txt").read_bytes() == (outs[0] / "vocab.txt").read_bytes() for out in outs[1:])
+    assert all((out / "tokenizer.json").read_bytes() == (outs[0] / "tokenizer.json").read_bytes() for out in outs[1:])
+    kept = [c for c in rare if c in vocab]
+    assert kept == sorted(rare)[:20], kept  # the tie is broken by code point, not by hash order
+    assert common <= set(vocab)

@@ -90,6 +90,8 @@ def second_create_on_one_out(ctx: Ctx) -> Launch:
         assert time.monotonic() < deadline, "the first create_shards never wrote a shard"
         time.sleep(0.05)
     first.send_signal(signal.SIGSTOP)
+    # Paused in the middle: still running and no index.json yet (a run that had finished would make this row vacuous).
+    assert first.poll() is None and not (out / INDEX_NAME).exists(), "the first create_shards finished before SIGSTOP"
     ctx.first = first
     ctx.culprit = str(first.pid)
     return Launch(cmd)
@@ -240,7 +242,7 @@ CASES = [
     Case("output-read-only-fs", "7", "--output on a read-only tmpfs, 2 ranks", output_read_only,
          r"{culprit} is on a read-only file system", check_read_only),
     Case("finetune-10mb-csv-cell", "7", "bert-ds-finetune --train a CSV with a 10 MB cell", csv_huge_cell,
-         r"{culprit}: line 3, column 1: line longer than 8000000 bytes",
+         r"{culprit}: line 3, column 1: line longer than " + str(8 * MAX_CELL_CHARS) + " bytes",
          check_no_finetune_output),
     Case("finetune-non-utf8-csv", "7", "bert-ds-finetune --train a Latin-1 CSV", csv_not_utf8,
          r"{culprit}: line 3, column 4: not UTF-8 \(byte 0xe9\)", check_no_finetune_output),
