@@ -213,10 +213,9 @@ def test_the_alphabet_cut_is_the_same_in_every_process(tmp_path):
     the limit falls among them."""
     import subprocess
     import sys
+    import unicodedata
 
     from tests.helpers import HANG_GUARD_S, child_env
-
-    import unicodedata
 
     # Letters the normalizer leaves alone (no accent to strip, already lower case), so each is counted once.
     rare = [c for c in map(chr, [*range(0x3b1, 0x3ca), *range(0x430, 0x460)])
