@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 __all__ = ["EXTENSION_LOCK_STALE_S", "check_master_addr", "extension_build_locks", "free_port", "init_distributed",
-           "launch_path", "prebuild_extensions", "release_shm_buffers", "seed_everything",
-           "use_node_local_caches", "wait_for_extension_builds"]
+           "launch_path", "leave_process_group", "leave_process_group_at_exit", "prebuild_extensions",
+           "release_shm_buffers", "seed_everything", "use_node_local_caches", "wait_for_extension_builds"]
 
 log = logging.getLogger(__name__)
 
@@ -216,15 +216,26 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
         raise ValueError(f"MASTER_PORT={os.environ.get('MASTER_PORT', port)} is already in use on "
                          f"{socket.gethostname()} (another job or process group listens there); export MASTER_PORT "
                          f"as a free port (deepspeed --master_port N)") from None
+    leave_process_group_at_exit()
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_process_group_at_exit() -> None:
+    """Destroy the process group when the interpreter exits, however the rank ends (success, refusal, pre-emption,
+    an error): left to C++ static destruction, gloo's threads abort the process ("terminate called without an active
+    exception", SIGABRT) now and then, and a finished rank then reports failure."""
+    import atexit
+
+    atexit.unregister(leave_process_group)  # once, however often a process initialises
+    atexit.register(leave_process_group)
+
+
 def leave_process_group() -> None:
-    """Destroy the default process group, if there is one, before this rank exits on a refusal. Left to interpreter
-    exit, gloo's threads were torn down by C++ static destruction, and a rank refusing a resume died of
-    "terminate called without an active exception" (SIGABRT, launcher exit 250 instead of 2) twice in one full test
-    run (2026-11-25, tests/faults/test_fault_table_integrity.py); torch's documentation asks for
-    ``destroy_process_group()`` before exit."""
+    """Destroy the default process group, if there is one, before this rank exits. Left to interpreter exit, gloo's
+    threads were torn down by C++ static destruction, and ranks died of "terminate called without an active
+    exception" (SIGABRT, launcher exit 250 instead of 2) in full test runs: refusing a resume (2026-11-25,
+    tests/faults/test_fault_table_integrity.py), ending a LAMB test worker normally (2026-11-26,
+    tests/optim/test_lamb_zero.py); torch's documentation asks for ``destroy_process_group()`` before exit."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

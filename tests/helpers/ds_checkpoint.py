@@ -107,6 +107,9 @@ def main() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+    from bert_ds.runtime.distributed import leave_process_group_at_exit
+
+    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
     args.out.mkdir(parents=True, exist_ok=True)
     for stage in args.stages:
         write_checkpoint(args.out, stage)

@@ -317,6 +317,9 @@ def main() -> None:
     for job in jobs:
         parse_job(job)
     deepspeed.init_distributed(dist_backend="gloo")
+    from bert_ds.runtime.distributed import leave_process_group_at_exit
+
+    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
     for job in jobs:
         run_job(job, args.steps, args.data, args.vocab, args.out, args.seed)
 

@@ -301,6 +301,9 @@ def _precision_worker_main() -> None:
     ap.add_argument("--vocab", type=Path, required=True, help="the shard set's vocab.txt")
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
+    from bert_ds.runtime.distributed import leave_process_group_at_exit
+
+    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
     for job in args.jobs.split(","):
         run_precision_job(job, args.steps, args.data, args.vocab, args.out)
 

@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
+    from bert_ds.runtime.distributed import leave_process_group_at_exit
+
+    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     recipe = load_recipe(args.recipe)
     phase = recipe.phases[0]
