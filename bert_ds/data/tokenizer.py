@@ -293,19 +293,22 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
     skipped = SkipCounts()
     fed = 0
 
-    def texts(counts: SkipCounts) -> Iterator[str]:
+    def texts(counts: SkipCounts, characters: Counter[str] | None = None) -> Iterator[str]:
         nonlocal fed
+        normalize = _bert_pipeline(None, lowercase=not cased).normalizer.normalize_str
         for text in iter_training_texts(files, limits, counts, input_format):
             if text.strip():
                 fed += 1
+                if characters is not None:  # what the trainer counts: characters after its normalizer
+                    characters.update(normalize(text))
                 yield text
 
-    def train(extra: list[str], size: int, counts: SkipCounts, limit: int,
-              alphabet: list[str] | None = None) -> BertWordPieceTokenizer:
+    def train(extra: list[str], size: int, counts: SkipCounts, limit: int, alphabet: list[str] | None = None,
+              characters: Counter[str] | None = None) -> BertWordPieceTokenizer:
         tok = _bert_pipeline(None, lowercase=not cased)
-        tok.train_from_iterator(texts(counts), vocab_size=size, min_frequency=min_frequency, limit_alphabet=limit,
-                                initial_alphabet=alphabet or [], special_tokens=[*SPECIAL_TOKENS, *extra],
-                                wordpieces_prefix="##", show_progress=False)
+        tok.train_from_iterator(texts(counts, characters), vocab_size=size, min_frequency=min_frequency,
+                                limit_alphabet=limit, initial_alphabet=alphabet or [],
+                                special_tokens=[*SPECIAL_TOKENS, *extra], wordpieces_prefix="##", show_progress=False)
         return tok
 
     def continuation_tokens(tok: BertWordPieceTokenizer) -> list[str]:
@@ -316,19 +319,22 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
         # (a) the ids of the "##c" continuation tokens, by which it also breaks ties between merges
         # (huggingface/tokenizers#1794), and (b) which characters it drops when the text has more than limit_alphabet
         # of them and several share the cut-off count (BpeTrainer::compute_alphabet sorts by count alone). So:
-        # pass 1 (no merges, no alphabet limit) lists the characters; if there are too many, bert_ds counts them and
-        # keeps the most frequent, ties by code point, as an explicit alphabet; a pass with no merges under that
-        # alphabet finds the continuation tokens; the last pass is seeded with them, sorted, right after the special
-        # tokens. The seeds are ordinary WordPiece entries of the result: taken out of the added tokens below.
-        first = train([], len(SPECIAL_TOKENS) + 1, SkipCounts(), limit=2**32)  # no limit
+        # pass 1 (no merges, no alphabet limit) finds the characters and continuation tokens, and bert_ds counts the
+        # characters as it goes; if there are too many, it keeps the most frequent, ties by code point, as an explicit
+        # alphabet; pass 2 is seeded with the continuation tokens, sorted, right after the special tokens. The seeds
+        # are ordinary WordPiece entries of the result: taken out of the added tokens below.
+        characters: Counter[str] = Counter()
+        first = train([], len(SPECIAL_TOKENS) + 1, SkipCounts(), limit=2**32, characters=characters)  # no limit
         limit, alphabet = limit_alphabet, None
+        continuation = continuation_tokens(first)
         if sum(len(t) == 1 for t in first.get_vocab()) > limit_alphabet:
-            # An explicit alphabet is kept whole (limit = its size): the trainer has no tie left to break.
-            alphabet = _most_frequent_characters(texts(SkipCounts()), first, limit_alphabet)
+            # An explicit alphabet is kept whole (limit = its size): the trainer has no tie left to break. Its "##c"
+            # are those of pass 1 whose character it keeps (the trainer makes "##c" for a kept c seen inside a word).
+            alphabet = sorted((c for c in characters if not c.isspace()), key=lambda c: (-characters[c], c))
+            alphabet = alphabet[:limit_alphabet]
             limit = len(alphabet)
-            continuation = continuation_tokens(train([], len(SPECIAL_TOKENS) + 1, SkipCounts(), limit, alphabet))
-        else:
-            continuation = continuation_tokens(first)
+            kept = set(alphabet)
+            continuation = [t for t in continuation if t[2:] in kept]
         fed = 0
         tok = train(continuation, vocab_size, skipped, limit, alphabet)
         if fed == 0 or tok.get_vocab_size() <= len(SPECIAL_TOKENS):
@@ -348,17 +354,6 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
         _write_text(stage / META_NAME, json.dumps(meta) + "\n", out)
         _install(stage, out)
     return out
-
-
-def _most_frequent_characters(texts: Iterator[str], tok: BertWordPieceTokenizer, limit: int) -> list[str]:
-    """The ``limit`` most frequent non-space characters of ``texts`` after ``tok``'s normalizer (what the trainer
-    counts), ties broken by code point."""
-    counts: Counter[str] = Counter()
-    normalize = tok.normalizer.normalize_str
-    for text in texts:
-        counts.update(normalize(text))
-    ranked = sorted((c for c in counts if not c.isspace()), key=lambda c: (-counts[c], c))
-    return ranked[:limit]
 
 
 def _without_added(tokenizer_json: str, tokens: list[str]) -> str:
