@@ -38,6 +38,7 @@ from tests.helpers.faults import (
     FINAL_TAG,
     PHASE1_END,
     REPO,
+    FaultContext,
     Launch,
     Outcome,
     Trigger,
@@ -68,24 +69,8 @@ VOCAB_SIZE = 4000  # the ``tokenizer_dir`` fixture's
 # ---- the context a case works in -----------------------------------------------------------------------------------
 
 @dataclass
-class Ctx:
-    tmp: Path
-    request: pytest.FixtureRequest
-    s128: Path
-    s512: Path
-    tokenizer: Path
-    culprit: str = ""
-    """What the message must name, set by the setup (a shard, a member, a file); ``{culprit}`` in a case's regex."""
+class Ctx(FaultContext):
     state: dict = field(default_factory=dict)
-
-    @property
-    def run(self) -> Path:
-        return self.tmp / "run"
-
-    @property
-    def recipe(self) -> Path:
-        path = self.tmp / "recipe.json"
-        return path if path.exists() else fault_recipe(path)
 
     def fixture(self, name: str):
         return self.request.getfixturevalue(name)

@@ -32,6 +32,7 @@ from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.downstream_data import MINILM
 from tests.helpers.faults import (
     ERROR_LINE,
+    FaultContext,
     Launch,
     Outcome,
     execute,
@@ -52,14 +53,8 @@ def script(name: str) -> str:
 
 
 @dataclass
-class Ctx:
-    tmp: Path
-    request: pytest.FixtureRequest
-    s128: Path
-    s512: Path
-    tokenizer: Path
-    corpus: Path
-    culprit: str = ""
+class Ctx(FaultContext):
+    corpus: Path = Path()
     snapshot: dict = field(default_factory=dict)
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     first: subprocess.Popen | None = None

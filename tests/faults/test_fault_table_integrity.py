@@ -25,6 +25,7 @@ from tests.helpers.faults import (
     ERROR_LINE,
     FINAL_TAG,
     PHASE1_END,
+    FaultContext,
     Launch,
     Outcome,
     execute,
@@ -42,25 +43,10 @@ WARNING_LINE = r"RESUMING FROM AN OLDER CHECKPOINT"
 
 
 @dataclass
-class Ctx:
-    tmp: Path
-    request: pytest.FixtureRequest
-    s128: Path
-    s512: Path
-    tokenizer: Path
-    culprit: str = ""
+class Ctx(FaultContext):
     snapshot: dict | None = None
     """Every file of the run directory (path -> sha256) as it was before the command."""
     held: contextlib.ExitStack | None = None
-
-    @property
-    def run(self) -> Path:
-        return self.tmp / "run"
-
-    @property
-    def recipe(self) -> Path:
-        path = self.tmp / "recipe.json"
-        return path if path.exists() else fault_recipe(path)
 
     def args(self, *extra: str, data: tuple[Path, ...] | None = None, tokenizer: Path | None = None) -> list[str]:
         data = data or (self.s128, self.s512)

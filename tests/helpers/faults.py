@@ -125,6 +125,30 @@ def kill_loader_worker(rank: int) -> Callable[[psutil.Process], str]:
     return act
 
 
+@dataclass
+class FaultContext:
+    """What every fault-table case works in: its directory, the pytest request, the session's shard sets and
+    tokenizer; each table's ``Ctx`` adds its own fields."""
+
+    tmp: Path
+    request: object
+    """The test's ``pytest.FixtureRequest`` (for fixtures a case needs only sometimes)."""
+    s128: Path
+    s512: Path
+    tokenizer: Path
+    culprit: str = ""
+    """What the message must name, set by the setup (a shard, a member, a file); ``{culprit}`` in a case's regex."""
+
+    @property
+    def run(self) -> Path:
+        return self.tmp / "run"
+
+    @property
+    def recipe(self) -> Path:
+        path = self.tmp / "recipe.json"
+        return path if path.exists() else fault_recipe(path)
+
+
 @dataclass(frozen=True)
 class Trigger:
     """Fire ``action(launcher)`` once, on the first output line matching ``pattern``."""
