@@ -292,10 +292,10 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
     _check_out_dir(out, overwrite)
     skipped = SkipCounts()
     fed = 0
+    normalize = _bert_pipeline(None, lowercase=not cased).normalizer.normalize_str
 
     def texts(counts: SkipCounts, characters: Counter[str] | None = None) -> Iterator[str]:
         nonlocal fed
-        normalize = _bert_pipeline(None, lowercase=not cased).normalizer.normalize_str
         for text in iter_training_texts(files, limits, counts, input_format):
             if text.strip():
                 fed += 1

@@ -149,16 +149,13 @@ def _check_output(output: str) -> None:
 
 def train(args: argparse.Namespace) -> int:
     """Run (or resume) the phases ``args`` select; returns the exit code."""
-    from bert_ds.runtime.distributed import init_distributed, leave_process_group, release_shm_buffers
+    from bert_ds.runtime.distributed import init_distributed, release_shm_buffers
 
     _check_output(args.output)
     recipe = load_recipe(args.recipe)
     rank, world_size = init_distributed(recipe.deepspeed.process_group_timeout_s)
-    try:
+    try:  # however the rank ends, init_distributed has it leave the process group at exit
         return run(plan_run(args, recipe, rank, world_size))
-    except (ValueError, FileNotFoundError):  # a refusal, before or during the run: one line, exit 2, group left first
-        leave_process_group()
-        raise
     finally:
         release_shm_buffers()
 
