@@ -4,7 +4,9 @@ Steps, each printed as it starts:
 
 1. corpus: the English text every Debian machine has (``bert_ds.data.english_corpus``: the licence texts of
    ``/usr/share/common-licenses`` and the Python standard library's docstrings), split by document into training
-   text and held-out text (every tenth document), so no held-out sentence is ever trained on;
+   text and held-out text (every tenth document), then held-out sentences that duplicate training text removed
+   (``bert_ds.devtools.heldout_dedup``: near-twin documents, exact and near duplicates), so no held-out sentence is
+   trained on;
 2. a WordPiece tokenizer trained on the training text;
 3. seq-32 warm-up shards, seq-128 and seq-512 training shards and held-out eval shards (tqdm bars);
 4. a sequence-length warm-up (``ds_configs/demo_warmup_cpu.json``: one phase at seq 32) and its export (see
@@ -43,17 +45,18 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bert_ds.devtools.heldout_dedup import DedupReport, DedupRule, deduplicate_file, leaks, read_documents
 from bert_ds.devtools.pretraining_gain import MIN_GAIN, TASK
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["DEMO_RECIPE", "DemoError", "DemoSettings", "Score", "demo_recipe", "export_scores", "fill_mask_examples",
-           "NotDemoDirectory", "main", "prepare_data", "run_demo", "split_corpus"]
+__all__ = ["DEMO_RECIPE", "DemoError", "DemoSettings", "Score", "data_inputs", "demo_recipe", "export_scores",
+           "fill_mask_examples", "NotDemoDirectory", "main", "prepare_data", "run_demo", "split_corpus"]
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_RECIPE = REPO / "ds_configs" / "demo_cpu.json"
@@ -90,6 +93,8 @@ class DemoSettings:
     """The sequence-length warm-up's shards (``ds_configs/demo_warmup_cpu.json``; see :func:`run_demo`)."""
     seed: int = 1234
     samples_per_shard: int = 2000
+    dedup: DedupRule = field(default_factory=DedupRule)
+    """What the held-out text may not share with the training text (``bert_ds.devtools.heldout_dedup``)."""
 
 
 @dataclass(frozen=True)
@@ -155,27 +160,55 @@ def _own_dir(out: Path) -> None:
 
 def _data_dirs(data: Path) -> dict[str, Path]:
     shards = {name: data / "shards" / name for name in ("warmup", "train128", "train512", "eval128", "eval512")}
-    return {"train": data / "corpus" / "train.txt", "heldout": data / "corpus" / "heldout.txt",
+    corpus = data / "corpus"
+    return {"train": corpus / "train.txt", "heldout": corpus / "heldout.txt", "dedup": corpus / "dedup.json",
             "tokenizer": data / "tokenizer", **shards}
 
 
-def _data_inputs(settings: DemoSettings) -> tuple[dict, Path]:
-    """What the data would be made from now: the corpus text's sha256, the settings and the shard format version;
-    returns it with the corpus file (in a temporary directory the caller removes)."""
-    from bert_ds.data.english_corpus import build_english_corpus
+def data_inputs(corpus_sha256: str, settings: DemoSettings) -> dict:
+    """What the data is made from, as ``data/inputs.json`` records it: the corpus text's sha256, the settings (the
+    dedup rule's parameters among them), the dedup module's own sha256 (its rule may change without a parameter
+    changing) and the shard format version. Data recorded with other inputs is rebuilt."""
+    import bert_ds.devtools.heldout_dedup as dedup_module
     from bert_ds.data.format import FORMAT_VERSION
+
+    dedup_code = hashlib.sha256(Path(dedup_module.__file__).read_bytes()).hexdigest()
+    return {"corpus_sha256": corpus_sha256, "settings": asdict(settings), "dedup_code_sha256": dedup_code,
+            "format_version": FORMAT_VERSION}
+
+
+def _data_inputs(settings: DemoSettings) -> tuple[dict, Path]:
+    """:func:`data_inputs` of the corpus as it would be built now, with the corpus file (in a temporary directory the
+    caller removes)."""
+    from bert_ds.data.english_corpus import build_english_corpus
 
     tmp = Path(tempfile.mkdtemp(prefix="bert_ds_demo_corpus_"))
     corpus = build_english_corpus(tmp / "english.txt", max_chars=10**9)  # all of it: ~1 MB
-    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
-    return {"corpus_sha256": digest, "settings": asdict(settings), "format_version": FORMAT_VERSION}, corpus
+    return data_inputs(hashlib.sha256(corpus.read_bytes()).hexdigest(), settings), corpus
 
 
 def _data_complete(dirs: dict[str, Path]) -> bool:
     from bert_ds.data.index import INDEX_NAME
 
     shards = [dirs[k] / INDEX_NAME for k in ("warmup", "train128", "train512", "eval128", "eval512")]
-    return all(p.is_file() for p in [dirs["train"], dirs["heldout"], dirs["tokenizer"] / "vocab.txt", *shards])
+    return all(p.is_file() for p in [dirs["train"], dirs["heldout"], dirs["dedup"], dirs["tokenizer"] / "vocab.txt",
+                                     *shards])
+
+
+def _split_and_deduplicate(corpus: Path, dirs: dict[str, Path], settings: DemoSettings) -> DedupReport:
+    """Step 1's split, then the held-out text cleared of training text, checked and its counts kept in
+    ``dedup.json`` (shown again when the data is reused)."""
+    n_train, n_held = split_corpus(corpus, dirs["train"], dirs["heldout"], settings.heldout_every)
+    _say(f"    corpus: {n_train} training and {n_held} held-out documents -> {dirs['train'].parent}/")
+    try:
+        report = deduplicate_file(dirs["train"], dirs["heldout"], settings.dedup)
+    except ValueError as exc:
+        raise DemoError(str(exc)) from exc
+    left = leaks(read_documents(dirs["train"]), read_documents(dirs["heldout"]), settings.dedup)
+    if left:  # the claim docs/demo.md makes, checked on the files the shards are made from
+        raise DemoError(f"{dirs['heldout']} still shares {len(left)} sentences with the training text: {left[:3]}")
+    dirs["dedup"].write_text(json.dumps(asdict(report), indent=1) + "\n")
+    return report
 
 
 def prepare_data(out: Path, settings: DemoSettings) -> dict[str, Path]:
@@ -189,16 +222,17 @@ def prepare_data(out: Path, settings: DemoSettings) -> dict[str, Path]:
         if recorded == inputs and _data_complete(dirs):
             _say(f"    reusing {data}/: corpus, tokenizer and shards were made from the same text and settings "
                  f"(corpus sha256 {inputs['corpus_sha256'][:12]}; delete {data} to rebuild)")
+            _say("    " + DedupReport(**json.loads(dirs["dedup"].read_text())).line())
             return dirs
         if data.exists():
-            why = "incomplete" if recorded == inputs else "made from other text or settings"
+            why = "incomplete" if recorded == inputs else "made from other text, settings or dedup rule"
             _say(f"    rebuilding {data}/: the previous data was {why}")
             shutil.rmtree(data)
         dirs["train"].parent.mkdir(parents=True)
-        n_train, n_held = split_corpus(corpus, dirs["train"], dirs["heldout"], settings.heldout_every)
+        report = _split_and_deduplicate(corpus, dirs, settings)
     finally:
         shutil.rmtree(corpus.parent, ignore_errors=True)
-    _say(f"    corpus: {n_train} training and {n_held} held-out documents -> {dirs['train'].parent}/")
+    _say("    " + report.line())
     _build_data(dirs, settings)
     (data / "inputs.json").write_text(json.dumps(inputs, indent=1) + "\n")  # last: marks the data complete
     return dirs
