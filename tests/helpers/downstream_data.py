@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 __all__ = ["MINILM", "documents", "write_sst2", "write_mrpc", "write_stsb", "write_swag", "write_conll",
-           "write_squad", "write_rte", "write_mnli", "pair_rows", "sts_rows"]
+           "write_token_jsonl", "write_squad", "write_rte", "write_mnli", "pair_rows", "sts_rows", "small_bert"]
 
 _WORD = re.compile(r"\w+|[^\w\s]")
 _ORGS = ("Free Software Foundation", "Python Software Foundation", "Apache Software Foundation")
@@ -186,6 +186,20 @@ def write_conll(docs, out_dir: Path, n_train: int, n_dev: int, seed: int = 0) ->
     return out_dir
 
 
+def write_token_jsonl(docs, out_dir: Path, n_train: int, n_dev: int, seed: int = 0) -> tuple[Path, Path]:
+    """The CoNLL task's sentences and tags (``write_conll``'s rule) as JSON lines ``{"tokens": [...], "tags": [...]}``
+    for the generic ``token`` task: ``train.jsonl`` and ``dev.jsonl`` under ``out_dir``."""
+    conll = write_conll(docs, out_dir / "conll", n_train, n_dev, seed)
+    files = []
+    for source, name in (("eng.train", "train.jsonl"), ("eng.testa", "dev.jsonl")):
+        blocks = [b for b in (conll / source).read_text(encoding="utf-8").split("\n\n") if "-DOCSTART-" not in b]
+        rows = [[line.split() for line in b.splitlines() if line.strip()] for b in blocks]
+        lines = [json.dumps({"tokens": [f[0] for f in r], "tags": [f[-1] for f in r]}) for r in rows if r]
+        (out_dir / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        files.append(out_dir / name)
+    return files[0], files[1]
+
+
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?!\w)")
 
 
@@ -289,3 +303,21 @@ def write_mnli(docs, task_dir: Path, n_train: int, n_dev: int, seed: int = 0) ->
     for name, part in (("dev_matched.tsv", rows[:n_dev]), ("dev_mismatched.tsv", rows[n_dev:2 * n_dev])):
         _tsv(task_dir / name, list(MNLI_DEV_HEADER), [r[:10] + [r[10]] * 6 for r in part])
     return task_dir
+
+
+def small_bert(directory: Path, vocab: list[str], seed: int = 0, lowercase: bool = True, layers: int = 1) -> Path:
+    """A randomly initialised small ``BertModel`` (hidden 64, ``layers`` layers, 512 positions) over ``vocab`` with a
+    fast WordPiece tokenizer, saved as a Hugging Face directory: a model whose content a test decides (its weights by
+    ``seed``, its vocabulary by ``vocab``) and that fine-tunes a few steps in seconds on a CPU."""
+    import torch
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    transformers.BertTokenizerFast(vocab=str(directory / "vocab.txt"), do_lower_case=lowercase).save_pretrained(
+        directory)
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=layers,
+                                     num_attention_heads=2, intermediate_size=128, max_position_embeddings=512)
+    transformers.BertModel(config).save_pretrained(directory)
+    return directory
