@@ -96,13 +96,15 @@ def _unpickler_reason(exc: Exception) -> str:
     return next((ln for ln in lines if ln != "WeightsUnpickler error:"), str(exc)[:200])
 
 
-def load_tensor_file(path: str | Path, map_location="cpu"):
-    """``torch.load`` of a checkpoint file with ``weights_only=True`` and only the allow-listed types it references."""
+def load_tensor_file(path: str | Path, map_location="cpu", mmap: bool = False):
+    """``torch.load`` of a checkpoint file with ``weights_only=True`` and only the allow-listed types it references.
+    ``mmap``: map the tensors' storage instead of reading it (for a reader that wants the small entries of a big
+    file)."""
     path = Path(path)
     names = _referenced_globals(path)
     try:
         with torch.serialization.safe_globals(_safe_globals(names)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(f"{path}: refused to load with weights_only=True: "
                                     f"{_unpickler_reason(exc)}") from exc

@@ -36,6 +36,7 @@ from bert_ds.checkpoint.layout import (
     remove_debris,
     resolve_tag,
     rng_file,
+    set_aside_damaged,
     tag_for,
     tokenizer_dir,
     trained_vocabulary,
@@ -76,5 +77,6 @@ __all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "LOCK_NAM
            "check_free_space", "checkpoint_dir", "consolidated_state_dict", "deepspeed_loads_weights_only",
            "hold_run_dir", "list_tags", "load_rng_state", "load_tensor_file", "open_checkpoint", "open_handoff",
            "parameter_count", "parse_tag", "prune_checkpoints", "read_latest", "read_model_config", "read_run_state",
-           "remove_debris", "resolve_tag", "restore_run", "rng_file", "save_checkpoint", "save_rng_state", "tag_for",
+           "remove_debris", "resolve_tag", "restore_run", "rng_file", "save_checkpoint", "save_rng_state",
+           "set_aside_damaged", "tag_for",
            "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]

@@ -17,7 +17,9 @@ Layout::
 
 Tags are ``phaseN-stepNNNNNN``; a tag is complete once its ``run_state.json`` exists (written last); ``<tag>.tmp`` (a
 save in progress), ``.<tag>.old`` (the tag being replaced) and ``.<tag>.deleting`` (a prune in progress) never parse
-as tags, so they are never listed, resumed or exported; :func:`remove_debris` deletes them.
+as tags, so they are never listed, resumed or exported; :func:`remove_debris` deletes them. A tag a resume found
+damaged is renamed ``<tag>.damaged[-N]`` (:func:`set_aside_damaged`): kept for diagnosis, never listed, resumed,
+exported, pruned or counted by ``keep_last_k``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from bert_ds.safe_load import CheckpointError
 __all__ = ["CHECKPOINT_DIR", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TOKENIZER_DIR_NAME", "CheckpointRef",
            "CheckpointSaveError", "RunLockedError", "checkpoint_dir", "list_tags", "open_checkpoint", "parse_tag",
            "read_latest", "read_model_config", "read_run_state", "remove_debris", "resolve_tag", "rng_file",
-           "tag_for", "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]
+           "set_aside_damaged", "tag_for", "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_STATE_NAME = "run_state.json"
@@ -255,6 +257,31 @@ def write_run_metadata(run_dir: str | Path, recipe, model_config, tokenizer_dir:
             if src.is_file():
                 shutil.copyfile(src, out / name)
         _atomic_write(out / META_NAME, json.dumps({"lowercase": lowercase}) + "\n")
+
+
+def set_aside_damaged(ckpt_dir: str | Path, damaged: list[str] | tuple[str, ...], resumed: str) -> list[str]:
+    """Rank 0 of a run holding the lock, resuming from ``resumed`` after finding ``damaged`` tags: ``latest`` names
+    ``resumed`` (atomically, first), then each damaged tag is renamed ``<tag>.damaged`` (``-2``, ``-3``... when that
+    name is taken), so retention never keeps it in place of an intact tag and ``latest`` never names it. Returns the
+    new names, each also logged."""
+    ckpt_dir = Path(ckpt_dir)
+    if not damaged:
+        return []
+    _atomic_write(ckpt_dir / "latest", resumed)
+    moved = []
+    for tag in damaged:
+        if not (ckpt_dir / tag).is_dir():
+            continue
+        target, n = ckpt_dir / f"{tag}.damaged", 1
+        while target.exists():
+            n += 1
+            target = ckpt_dir / f"{tag}.damaged-{n}"
+        os.replace(ckpt_dir / tag, target)
+        moved.append(target.name)
+        log.warning("damaged checkpoint %s set aside as %s (kept for diagnosis, never resumed or pruned: delete it "
+                    "when done)", tag, target)
+    _fsync(ckpt_dir)
+    return moved
 
 
 def rng_file(tag_dir: str | Path, rank: int) -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_ds.checkpoint.integrity import MODEL_STATES_NAME
 from bert_ds.checkpoint.layout import read_run_state, rng_file
 from bert_ds.safe_load import CheckpointError, deepspeed_loads_weights_only, load_tensor_file
 
@@ -33,7 +34,6 @@ log = logging.getLogger("bert_ds.checkpoint")
 _ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 """DeepSpeed 0.19's name for one saved rank's ZeRO 1/2 optimizer partition: ``zero_pp_rank_<r>_mp_rank_00_...``, with
 a ``bf16_`` prefix when the run trained in bf16 (``DeepSpeedEngine._get_zero_ckpt_prefix``)."""
-_MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Handoff:
         if engine.zero_optimization_stage() == 0:
             optimizer = engine.optimizer
             lrs = [group["lr"] for group in optimizer.param_groups]
-            optimizer.load_state_dict(load_tensor_file(tag_dir / _MODEL_STATES)["optimizer"])
+            optimizer.load_state_dict(load_tensor_file(tag_dir / MODEL_STATES_NAME)["optimizer"])
             for group, lr in zip(optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr  # the new phase's schedule, not the old phase's last lr
             states = list(optimizer.state.values())

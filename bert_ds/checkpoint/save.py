@@ -15,7 +15,6 @@ changes between save and resume (:mod:`bert_ds.checkpoint.restore`). Durability 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_ds.checkpoint.integrity import file_digest, files_of_rank, gather_digests
+from bert_ds.checkpoint.integrity import CLIENT_STATE_KEY, file_digest, files_of_rank, gather_digests, seal_run_state
 from bert_ds.checkpoint.layout import (
     RUN_STATE_NAME,
     CheckpointSaveError,
@@ -80,7 +79,7 @@ def _write_tag(engine, ckpt: Path, tmp_tag: str, run_state: dict, rank: int) -> 
     import deepspeed.comm as dist
 
     try:
-        engine.save_checkpoint(str(ckpt), tag=tmp_tag, client_state={"bert_ds": run_state}, save_latest=False)
+        engine.save_checkpoint(str(ckpt), tag=tmp_tag, client_state={CLIENT_STATE_KEY: run_state}, save_latest=False)
     except (OSError, RuntimeError) as exc:  # torch.save on a full disk: RuntimeError "basic_ios::clear" / "file write"
         # DeepSpeed 0.19 (runtime/engine.py save_checkpoint) writes every file between its tag-validation all-reduce
         # and one closing barrier, where the other ranks now wait: stand in for it before agreeing.
@@ -94,10 +93,11 @@ def _write_tag(engine, ckpt: Path, tmp_tag: str, run_state: dict, rank: int) -> 
 
 
 def _write_metadata(ckpt: Path, tmp_tag: str, tag: str, run_state: dict, digests: dict) -> Exception | None:
-    """Rank 0, every rank's files on disk: ``run_state.json`` with every file's digest (its presence makes the tag
-    complete), fsynced with the directory, and the new ``latest`` pointer's bytes (they need space too)."""
+    """Rank 0, every rank's files on disk: ``run_state.json`` with every file's digest and its own (its presence
+    makes the tag complete), fsynced with the directory, and the new ``latest`` pointer's bytes (they need space
+    too)."""
     try:
-        _write_synced(ckpt / tmp_tag / RUN_STATE_NAME, json.dumps({**run_state, "files": digests}, indent=1) + "\n")
+        _write_synced(ckpt / tmp_tag / RUN_STATE_NAME, seal_run_state({**run_state, "files": digests}))
         _fsync(ckpt / tmp_tag)
         _write_synced(ckpt / ".latest.tmp", tag)
     except (OSError, RuntimeError) as exc:

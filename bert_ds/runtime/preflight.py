@@ -49,6 +49,9 @@ class StartPoint:
     """Checkpoint to load, or None for a fresh start."""
     handoff: bool
     """``tag`` is the finished previous phase: take its weights and moments, start the phase at step 0."""
+    damaged: tuple[str, ...] = ()
+    """Newer tags that failed their checks and were skipped: set aside once the run holds its lock
+    (:func:`bert_ds.checkpoint.set_aside_damaged`)."""
 
 
 @dataclass
@@ -224,8 +227,8 @@ def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ck
                          f"a new --output")
     if tag is None:
         return _fresh_start(args, phases, ckpt_dir)
-    _check_run_matches(ckpt_dir, tag, args, tokenizer, model_config)
-    tag = _newest_intact(ckpt_dir, tag, rank, world_size)
+    # verified first: everything below reads the tag's run_state.json, which its checks cover
+    tag, damaged = _newest_intact(ckpt_dir, tag, rank, world_size)
     state = ckpt.read_run_state(ckpt_dir, tag)
     blockers = resume_blockers(state["recipe"], recipe)
     if blockers:
@@ -236,8 +239,8 @@ def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ck
         raise ValueError(f"--resume auto: checkpoint {tag!r} was written by {state['world_size']} ranks without ZeRO "
                          f"partitions of its own; resume it on {state['world_size']} ranks or use ZeRO stage 1/2")
     if state["phase_done"]:
-        return StartPoint(phase=state["phase"] + 1, step=0, tag=tag, handoff=True)
-    return StartPoint(phase=state["phase"], step=state["step"], tag=tag, handoff=False)
+        return StartPoint(phase=state["phase"] + 1, step=0, tag=tag, handoff=True, damaged=damaged)
+    return StartPoint(phase=state["phase"], step=state["step"], tag=tag, handoff=False, damaged=damaged)
 
 
 def _check_run_matches(ckpt_dir: Path, tag: str, args: argparse.Namespace, tokenizer, model_config: BertConfig) -> None:
@@ -264,9 +267,10 @@ def _check_run_matches(ckpt_dir: Path, tag: str, args: argparse.Namespace, token
                              f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
 
 
-def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> str:
-    """``latest`` if its files match their checksums, else the newest older tag that does (logged loudly, on rank 0);
-    the ranks share the hashing and agree. ValueError naming the damage when no tag is intact."""
+def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> tuple[str, tuple[str, ...]]:
+    """(``latest`` if its files and run state pass their checks, else the newest older tag that does (logged loudly,
+    on rank 0), the damaged tags skipped on the way); the ranks share the hashing and agree. ValueError naming the
+    damage when no tag is intact."""
     from bert_ds.checkpoint.integrity import verify_tag
 
     tags = ckpt.list_tags(ckpt_dir)
@@ -282,7 +286,7 @@ def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> s
                 for name, line in skipped[1:]:
                     log.warning("also damaged, skipped: %s (%s)", name, line)
                 log.warning("=" * 100)
-            return tag
+            return tag, tuple(name for name, _ in skipped)
         skipped.append((tag, damage[0] + (f" and {len(damage) - 1} more file(s)" if len(damage) > 1 else "")))
     raise ValueError(f"--resume auto: checkpoint {skipped[0][0]} is damaged: {skipped[0][1]}; no older intact tag in "
                      f"{ckpt_dir} to fall back to")

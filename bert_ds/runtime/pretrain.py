@@ -113,6 +113,7 @@ def run(plan: RunPlan) -> int:
     run_lock = ckpt.hold_run_dir(plan.run_dir, plan.rank)  # one run per --output (exit 2 naming the holder)
     if plan.rank == 0:
         ckpt.write_run_metadata(plan.run_dir, plan.recipe, plan.model_config, plan.args.tokenizer)
+        ckpt.set_aside_damaged(plan.ckpt_dir, plan.start.damaged, plan.start.tag)
     preemption = Preemption()
     metrics = _metrics_logger(plan)
     try:

@@ -130,3 +130,4 @@ def test_reader_of_a_pruned_tag_fails_in_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"phase1-step000001.*not found|pruned"):
         with reading_tag(tmp_path, "phase1-step000001"):
             pass
+

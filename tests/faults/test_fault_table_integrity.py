@@ -1,6 +1,8 @@
-"""Fault-table rows of issue 16 items 1, 2, 3 and 7 (the converter racing a prune): a refused resume leaves the run
-directory byte for byte as it was, tokenizer / shards / checkpoint / export agree on vocabulary *and* casing, damaged
-checkpoints are named (and resume falls back to the newest intact tag), and a reader holds its tag against pruning.
+"""Fault-table rows of issue 16 items 1, 2, 3 and 7 (the converter racing a prune) and issue 21 items 1, 2 and 5: a
+refused resume leaves the run directory byte for byte as it was, tokenizer / shards / checkpoint / export agree on
+vocabulary *and* casing, damaged checkpoints are named (and resume falls back to the newest intact tag), an edited
+``run_state.json`` is damage like any other, a damaged tag is set aside instead of outliving an intact one in
+retention, and a reader holds its tag against pruning.
 
 Same harness and recipe as ``tests/faults/test_fault_table.py`` (``tests.helpers.faults``): real DeepSpeed CPU ranks,
 the shipped ``ds_configs/tiny_cpu.json`` (dropout 0.1, ZeRO-2, LAMB) cut to 6 + 2 steps, the session's English corpus;
@@ -248,6 +250,86 @@ def truncated_model_states_evaluate(ctx: Ctx) -> Launch:
                                            "--max-batches", "1"]))
 
 
+# ---- issue 21 items 1-2: run_state.json is verified; damaged tags are set aside ---------------------------------
+
+def _edit_consumed(tag_dir: Path, reseal: bool) -> Path:
+    """Change ``loader.consumed_global_batches`` in the tag's run_state.json by editing its bytes (one digit), the
+    rest of the file untouched; ``reseal``: also write the digest of the edited content (a forger who knows the
+    format)."""
+    from bert_ds.checkpoint.integrity import STATE_DIGEST_KEY, seal_run_state
+
+    path = tag_dir / "run_state.json"
+    text = path.read_text()
+    state = json.loads(text)
+    consumed = state["loader"]["consumed_global_batches"]
+    old, new = f'"consumed_global_batches": {consumed}', f'"consumed_global_batches": {consumed + 5}'
+    assert text.count(old) == 1, text
+    text = text.replace(old, new)
+    if reseal:
+        edited = json.loads(text)
+        edited.pop(STATE_DIGEST_KEY)
+        text = seal_run_state(edited)
+    path.write_text(text)
+    return path
+
+
+def edited_run_state_resume(ctx: Ctx) -> Launch:
+    ctx.copy_run("trained_run_4")
+    ctx.culprit = str(_edit_consumed(ctx.run / "checkpoints" / "phase1-step000004", reseal=False))
+    return Launch(rank_command(2, ctx.args("--resume", "auto")))
+
+
+def forged_run_state_resume(ctx: Ctx) -> Launch:
+    ctx.copy_run("trained_run_4")
+    ctx.culprit = str(_edit_consumed(ctx.run / "checkpoints" / "phase1-step000004", reseal=True))
+    return Launch(rank_command(2, ctx.args("--resume", "auto")))
+
+
+def check_fell_back_and_set_aside(ctx: Ctx, out: Outcome) -> str:
+    lost = check_flipped_master_resume(ctx, out)
+    ckpt_dir = ctx.run / "checkpoints"
+    assert (ckpt_dir / "phase1-step000004.damaged" / "run_state.json").read_text() != "", "damaged tag not kept"
+    assert re.search(r"damaged checkpoint phase1-step000004 set aside as .*phase1-step000004\.damaged", out.text())
+    return lost + "; the damaged tag kept as phase1-step000004.damaged"
+
+
+def edited_run_state_only_tag(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    ctx.culprit = str(_edit_consumed(ctx.run / "checkpoints" / "phase1-step000002", reseal=False))
+    ctx.snapshot = tree_bytes(ctx.run)
+    return Launch(rank_command(2, ctx.args("--resume", "auto")))
+
+
+def edited_run_state_convert(ctx: Ctx) -> Launch:
+    ctx.copy_run()
+    ctx.culprit = str(_edit_consumed(ctx.run / "checkpoints" / "phase1-step000002", reseal=True))
+    ctx.snapshot = tree_bytes(ctx.run)
+    return ctx.convert()
+
+
+def retention_after_fallback(ctx: Ctx) -> Launch:
+    """Tags 2 and 3 (3: an off-interval save, as a pre-emption makes); 3 damaged; the resume falls back to 2 and
+    saves 4 (keep_last_k 2): the intact 2 must survive, the damaged 3 must not count."""
+    ctx.copy_run("trained_run_3")
+    target = _tag_file(ctx, "phase1-step000003", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    flip_master_weight_byte(target)
+    ctx.culprit = str(target)
+    return Launch(rank_command(2, ctx.args("--resume", "auto", "--max-steps", "4")))
+
+
+def check_retention_after_fallback(ctx: Ctx, out: Outcome) -> str:
+    ckpt_dir = ctx.run / "checkpoints"
+    tags = ckpt.list_tags(ckpt_dir)
+    assert tags == ["phase1-step000002", "phase1-step000004"], tags
+    assert ckpt.read_latest(ckpt_dir) == "phase1-step000004"
+    assert (ckpt_dir / "phase1-step000003.damaged").is_dir()
+    got, want = weights(ctx.run, "phase1-step000004"), weights(ctx.request.getfixturevalue("trained_run_4"),
+                                                                "phase1-step000004")
+    assert all(torch.equal(got[k], want[k]) for k in want), "step 4 differs from the uninterrupted run"
+    return ("nothing: tags {2, 4} kept (keep_last_k 2), the damaged step 3 set aside as phase1-step000003.damaged; "
+            "step 4 bit-identical to the uninterrupted run")
+
+
 # ---- item 7: a reader against pruning -------------------------------------------------------------------------------
 
 def convert_while_training_prunes(ctx: Ctx) -> Launch:
@@ -325,6 +407,24 @@ CASES = [
     Case("truncated-model-states-evaluate", "3", "mp_rank_00_model_states.pt cut in half, evaluation",
          truncated_model_states_evaluate, 2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: \d+ bytes",
          _unchanged),
+    Case("edited-run-state-resume", "21.1", "run_state.json of the newest tag (phase1-step000004): "
+         "loader.consumed_global_batches +5, one byte, --resume auto", edited_run_state_resume, 0,
+         r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000004 is damaged \({culprit}: sha256 \w+\.\.\. of its "
+         r"content differs", check_fell_back_and_set_aside, first_line=WARNING_LINE),
+    Case("forged-run-state-resume", "21.1", "the same edit with run_state_sha256 recomputed, --resume auto",
+         forged_run_state_resume, 0, r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000004 is damaged \({culprit}: "
+         r"field 'loader\.consumed_global_batches' is \d+ but the run state saved inside mp_rank_00_model_states\.pt "
+         r"holds \d+", check_fell_back_and_set_aside, first_line=WARNING_LINE),
+    Case("edited-run-state-only-tag", "21.1", "run_state.json of the only tag edited, --resume auto",
+         edited_run_state_only_tag, 2, r"checkpoint phase1-step000002 is damaged: {culprit}: sha256 \w+\.\.\. of its "
+         r"content differs", _unchanged),
+    Case("edited-run-state-convert", "21.1", "run_state.json edited and resealed, converter", edited_run_state_convert,
+         2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: field 'loader\.consumed_global_batches'",
+         _no_export),
+    Case("retention-after-fallback", "21.2", "off-interval tag phase1-step000003 damaged; resume falls back to step 2 "
+         "and saves step 4 (keep_last_k 2)", retention_after_fallback, 0,
+         r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000003 is damaged \({culprit}: sha256",
+         check_retention_after_fallback, first_line=WARNING_LINE),
     Case("convert-while-training-prunes", "7", "a reader holds phase1-step000002 while training (keep_last_k 1) "
          "saves steps 3 and 4", convert_while_training_prunes, 0, r"checkpoint .*phase1-step000004",
          check_convert_while_training_prunes, first_line=r"checkpoint .*phase1-step000004"),
@@ -342,6 +442,13 @@ def trained_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path
     """The table's recipe stopped after 2 steps on 2 ranks (``phase1-step000002``)."""
     root = tmp_path_factory.mktemp("integrity_trained")
     return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "2")
+
+
+@pytest.fixture(scope="module")
+def trained_run_3(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    """Stopped after 3 steps: tags phase1-step000002 and phase1-step000003 (an off-interval save)."""
+    root = tmp_path_factory.mktemp("integrity_trained3")
+    return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "3")
 
 
 @pytest.fixture(scope="module")
