@@ -13,8 +13,9 @@ layer on top, all weights trained), for every task shape of the paper:
 ``regression``, ``token``, ``multiple_choice``, ``qa``); ``readers.py`` reads the files, ``metrics.py`` scores them.
 The model may be a bert_ds export or any Hugging Face BERT directory (``BertForPreTraining``, ``BertForMaskedLM``,
 ``BertModel``, a fine-tuned model: a head whose shape differs is re-initialised). A tokenizer whose casing differs
-from the model's is refused. The output directory gets the fine-tuned model, its tokenizer and
-``finetune_metrics.json`` (and QA predictions).
+from the model's, or whose vocabulary is not the model's token by id, is refused. The output directory gets the
+fine-tuned model, its tokenizer and ``finetune_metrics.json`` (with the run's identity: model and data hashes and the
+settings; and QA predictions).
 """
 
 from __future__ import annotations
@@ -28,20 +29,21 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bert_ds.downstream import qa
+from bert_ds.downstream.identity import check_vocabulary, file_sha256, model_sha256
 from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
-from bert_ds.downstream.readers import read_split
-from bert_ds.downstream.tasks import TASKS, TaskSpec, task_spec
+from bert_ds.downstream.readers import DownstreamInputError, read_split
+from bert_ds.downstream.tasks import MAX_SEQ_LENGTH, QA_MAX_SEQ_LENGTH, TASKS, TaskSpec, task_spec
 from bert_ds.export.convert import apply_umask
 
 __all__ = ["METRICS_NAME", "PREDICTIONS_NAME", "FinetuneArgs", "label_names", "split_files", "check_casing",
-           "majority_baseline", "finetune", "main"]
+           "run_identity", "majority_baseline", "finetune", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,8 @@ class FinetuneArgs:
     text_column: str | None = None
     text_pair_column: str | None = None
     label_column: str | None = None
-    max_seq_length: int = 128
+    max_seq_length: int | None = None
+    """WordPieces per example; None: the task's (``TaskSpec.max_seq_length``: 384 for QA, else 128)."""
     doc_stride: int = 128
     max_query_length: int = 64
     n_best: int = 20
@@ -95,6 +98,8 @@ class FinetuneArgs:
 
     def __post_init__(self) -> None:
         self.spec = task_spec(self.task)  # ValueError listing the presets
+        if self.max_seq_length is None:
+            self.max_seq_length = self.spec.max_seq_length
         if self.device is None:
             self.device = "auto"
         if self.device not in DEVICES:
@@ -169,6 +174,32 @@ def _labels(spec: TaskSpec, train: list[dict], source: Path) -> list[str] | None
     return labels
 
 
+def _check_eval_labels(spec: TaskSpec, labels: list[str] | None, records: dict, files: dict, args) -> None:
+    """Every label of an evaluation split of a generic task occurs in the training file (its label set comes from
+    there), checked before the model loads and over whole examples, truncated words included."""
+    if labels is None or spec.labels is not None:
+        return
+    known = {name: i for i, name in enumerate(labels)}
+    role = "tags" if spec.shape == "token" else "label"
+    for split, path in files.items():
+        for number, r in enumerate(records[split] if split != "train" else (), 1):
+            for value in (r["tags"] if role == "tags" else [r["label"]]):
+                if value is not None and str(value) not in known:
+                    raise _unseen_label(path, r, number, role, value, known, args)
+
+
+def run_identity(args: FinetuneArgs) -> dict:
+    """What decides a run's result, by content: the task, the model directory's :func:`identity.model_sha256`, the
+    sha256 of each split file, then every setting of ``args`` except where things are (``out``, the paths, which
+    ``model_sha256`` and ``data_sha256`` stand for), the device and how often it logs. Recorded in the metrics file;
+    the GLUE suite reuses a finished run only when its identity is this one (fields in this order)."""
+    files = split_files(args.spec, args.data_dir, args.train_file, args.validation_file)
+    where = ("task", "model", "out", "train_file", "validation_file", "data_dir", "device", "logging_steps")
+    settings = {k: v for k, v in asdict(args).items() if k not in where}
+    return {"task": args.spec.name, "model_sha256": model_sha256(args.model),
+            "data_sha256": {split: file_sha256(path) for split, path in files.items()}, **settings}
+
+
 # --------------------------------------------------------------------------------------------------- model
 def _recorded_lowercase(directory: Path) -> bool | None:
     for name, key in (("tokenizer_meta.json", "lowercase"), ("tokenizer_config.json", "do_lower_case")):
@@ -190,17 +221,31 @@ def _vocab_lowercase(directory: Path) -> bool | None:
     return not any("A" <= c <= "Z" for t in tokens for c in t)
 
 
-def check_casing(model_dir: str | Path, tokenizer) -> bool:
+def _tokenizer_lowercase(tokenizer) -> bool | None:
+    """Whether the tokenizer lower-cases "Hello HELLO": from its normaliser's output when it has one (a fast
+    tokenizer), else from its pieces other than special tokens. Never from ``[UNK]``: a small or domain vocabulary
+    that cannot spell "hello" turns it into ``[UNK]``, whose upper-case letters say nothing of the input's. None when
+    nothing is left to judge by."""
+    probe = "Hello HELLO"
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    if normalizer is not None:
+        return not any(c.isupper() for c in normalizer.normalize_str(probe))
+    special = set(tokenizer.all_special_tokens)
+    pieces = [p for p in tokenizer.tokenize(probe) if p not in special]
+    return not any(c.isupper() for p in pieces for c in p) if pieces else None
+
+
+def check_casing(model_dir: str | Path, tokenizer) -> bool | None:
     """Refuse a tokenizer that lower-cases text for a model trained on cased text, or the reverse: the model's casing
     is what its directory records (bert_ds exports and hub models: ``do_lower_case`` in ``tokenizer_config.json``),
-    else what its vocabulary shows; the tokenizer's is what it does to "Hello". Returns the model's lowercase flag."""
+    else what its vocabulary shows; the tokenizer's is what it does to "Hello" (:func:`_tokenizer_lowercase`).
+    Returns the tokenizer's lowercase flag (None when it cannot be told)."""
     model_dir = Path(model_dir)
     model_lower = _recorded_lowercase(model_dir)
     if model_lower is None:
         model_lower = _vocab_lowercase(model_dir)
-    pieces = tokenizer.tokenize("Hello HELLO")
-    tokenizer_lower = not any(c.isupper() for p in pieces for c in p)
-    if model_lower is not None and model_lower != tokenizer_lower:
+    tokenizer_lower = _tokenizer_lowercase(tokenizer)
+    if None not in (model_lower, tokenizer_lower) and model_lower != tokenizer_lower:
         kind = {True: "uncased (lower-cases its input)", False: "cased (keeps upper case)"}
         raise ValueError(f"tokenizer {tokenizer.name_or_path}: {kind[tokenizer_lower]}, but model {model_dir} was "
                          f"trained {kind[model_lower].split(' ')[0]}; use the model's own tokenizer or one with "
@@ -227,6 +272,8 @@ def _load(args: FinetuneArgs, labels: list[str] | None):
         raise ValueError(f"{args.tokenizer or args.model}: {spec.shape} needs a fast tokenizer (tokenizer.json) to "
                          "map WordPieces to words and characters")
     check_casing(args.model, tokenizer)
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    check_vocabulary(args.model, tokenizer, args.tokenizer, config.vocab_size)
     kwargs: dict = {}
     if spec.shape == "regression":
         kwargs = {"num_labels": 1, "problem_type": "regression"}  # one output, MSE loss (not one class per score)
@@ -245,6 +292,14 @@ def _load(args: FinetuneArgs, labels: list[str] | None):
 
 
 # --------------------------------------------------------------------------------------------------- encoding
+def _unseen_label(source, record: dict, number: int, role: str, value, label2id: dict, args) -> DownstreamInputError:
+    """A label of an evaluation file that the training file never had (generic tasks take their label set from
+    it), at the record's line and the column holding it."""
+    column = {**args.spec.columns, **args.columns()}.get(role, role)
+    return DownstreamInputError(source, record.get("line", number), repr(column), f"label {str(value)!r} does not "
+                                f"occur in the training file (labels: {list(label2id)})")
+
+
 def _encode_pairs(records, tokenizer, args, label2id, source) -> tuple[list[dict], int]:
     examples, truncated = [], 0
     for number, r in enumerate(records, 1):
@@ -255,8 +310,7 @@ def _encode_pairs(records, tokenizer, args, label2id, source) -> tuple[list[dict
             if args.spec.shape == "regression":
                 enc["labels"] = float(r["label"])
             elif str(r["label"]) not in label2id:
-                raise ValueError(f"{source}: example {number}: label {str(r['label'])!r} does not occur in the "
-                                 f"training file (labels: {list(label2id)})")
+                raise _unseen_label(source, r, number, "label", r["label"], label2id, args)
             else:
                 enc["labels"] = label2id[str(r["label"])]
         examples.append(enc)
@@ -271,8 +325,7 @@ def _encode_tokens(records, tokenizer, args, label2id, source) -> tuple[list[dic
         for word in enc.word_ids():
             first_piece = word is not None and word != previous
             if first_piece and r["tags"][word] not in label2id:
-                raise ValueError(f"{source}: example {number}: label {r['tags'][word]!r} does not occur in the "
-                                 f"training file (labels: {list(label2id)})")
+                raise _unseen_label(source, r, number, "tags", r["tags"][word], label2id, args)
             labels.append(label2id[r["tags"][word]] if first_piece else IGNORE_INDEX)
             previous = word
         truncated += len({w for w in enc.word_ids() if w is not None}) < len(r["tokens"])
@@ -439,8 +492,10 @@ def _qa_evaluate(trainer, args: FinetuneArgs, tokenizer, records: list[dict]) ->
     predictions = qa.answers(texts, margins, args.null_threshold if v2 else None)
     if v2:
         # Scored on the best spans with the null margin as na_prob: the threshold turns the margins above it into
-        # "no answer" (the reported exact/f1), and the sweep gives the dev-optimal tau (best_f1_thresh).
-        scores = squad_v2(texts, records, na_probs=margins, na_prob_thresh=args.null_threshold)
+        # "no answer" (the reported exact/f1), and the sweep gives the dev-optimal tau (best_f1_thresh) as a value
+        # --null-threshold reproduces: margins are signed, so the official 0.0 for "below every value" is not one.
+        scores = squad_v2(texts, records, na_probs=margins, na_prob_thresh=args.null_threshold,
+                          reproducible_thresholds=True)
     else:
         scores = squad_v1(predictions, records)
     return {k: float(v) for k, v in scores.items()}, predictions
@@ -457,8 +512,11 @@ def finetune(args: FinetuneArgs) -> dict:
         raise ValueError(f"{out}: already exists and is not an empty directory; choose another --out")
     files = split_files(spec, args.data_dir, args.train_file, args.validation_file)
     columns = args.columns() if spec.format == "records" else None
-    records = {split: read_split(spec, path, columns=columns) for split, path in files.items()}
+    records = {split: read_split(spec, path, columns=columns, training=split == "train")
+               for split, path in files.items()}
     labels = _labels(spec, records["train"], files["train"])
+    _check_eval_labels(spec, labels, records, files, args)
+    identity = run_identity(args)
     tokenizer, model = _load(args, labels)
     eval_names = [s for s in files if s != "train"]
     truncated = 0
@@ -509,7 +567,7 @@ def finetune(args: FinetuneArgs) -> dict:
             "before": before.get(first), "after": after.get(first),
             "majority_accuracy": baseline[first]["majority_accuracy"] if first in baseline else None,
             "world_size": trainer.args.world_size,
-            "args": asdict(args),
+            "args": asdict(args), "identity": identity,
         }
         trainer.save_model(str(work))  # every rank calls it (ZeRO-3 gathers the weights); the main process writes
         if trainer.is_world_process_zero():
@@ -529,55 +587,59 @@ def finetune(args: FinetuneArgs) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- CLI
+_DEFAULTS = {f.name: f.default for f in fields(FinetuneArgs)}
+
+
+def _d(name: str) -> str:
+    """``default: X`` for a help text, from FinetuneArgs itself (defaults are written once, on the dataclass)."""
+    return f"default: {_DEFAULTS[name]:g}" if isinstance(_DEFAULTS[name], float) else f"default: {_DEFAULTS[name]}"
+
+
 def build_parser(prog: str = "bert-ds-finetune") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Fine-tune a BERT directory (a bert_ds export or a "
-                                     "Hugging Face BERT) with transformers' heads and Trainer, on any task shape of "
-                                     "the BERT paper: classification, regression, multiple choice, token tagging, "
-                                     "span-extraction QA.")
-    parser.add_argument("--model", required=True, help="export directory (bert-ds-convert-checkpoint --out) or any "
-                        "Hugging Face BERT directory")
-    parser.add_argument("--task", default="sequence", metavar="TASK",
-                        help=f"a preset or generic shape: {', '.join(TASKS)} (default: sequence)")
-    parser.add_argument("--data-dir", default=None, help="GLUE data directory (or the task's directory), or the "
-                        "directory holding the preset's SQuAD/SWAG/CoNLL files")
-    parser.add_argument("--train", dest="train_file", default=None, help="training file (overrides --data-dir)")
-    parser.add_argument("--validation", dest="validation_file", default=None,
-                        help="labelled evaluation file in the same format (overrides --data-dir's dev split)")
-    parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's); its casing "
-                        "must match the model's")
-    parser.add_argument("--text-column", default=None, help="generic tasks: the (first) text (default: text); token: "
-                        "the words, a JSON list or a space-separated string (default: tokens)")
-    parser.add_argument("--text-pair-column", default=None, help="generic tasks: the second text of a pair")
-    parser.add_argument("--label-column", default=None,
-                        help="generic tasks: the label (default: label); token: the tags (default: tags)")
-    parser.add_argument("--max-seq-length", type=int, default=128, help="WordPieces per example, [CLS]/[SEP] "
-                        "included; longer ones are truncated and counted (default: 128)")
-    parser.add_argument("--doc-stride", type=int, default=128, help="QA: tokens a window shares with the previous "
-                        "one when a context is cut (default: 128)")
-    parser.add_argument("--max-query-length", type=int, default=64, help="QA: question WordPieces kept (default: 64)")
-    parser.add_argument("--n-best", type=int, default=20, help="QA: start/end candidates per window (default: 20)")
-    parser.add_argument("--max-answer-length", type=int, default=30, help="QA: longest answer in WordPieces "
-                        "(default: 30)")
-    parser.add_argument("--null-threshold", type=float, default=0.0, help="SQuAD v2.0: no answer when null score - "
-                        "best span score exceeds this (default: 0; the metrics report the dev-optimal value)")
-    parser.add_argument("--epochs", type=float, default=3.0, help="passes over the training file (default: 3)")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples per step and device (default: 32)")
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
-                        help="batches per optimizer step (default: 1)")
-    parser.add_argument("--learning-rate", type=float, default=5e-5, help="peak Adam lr, linear decay (default: 5e-5)")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: 0.01)")
-    parser.add_argument("--warmup-fraction", type=float, default=0.1,
-                        help="fraction of the steps spent warming the lr up (default: 0.1)")
-    parser.add_argument("--seed", type=int, default=42, help="seed of the head's init and the shuffling (default: 42)")
-    parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="auto: a GPU when there is one; cpu; cuda (default: auto)")
-    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
-    parser.add_argument("--deepspeed", default=None, metavar="CONFIG",
-                        help="DeepSpeed JSON config for Trainer's integration (launch with the deepspeed launcher)")
-    parser.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps "
-                        "(default: 10)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    """The CLI over FinetuneArgs: every default is None here and the dataclass's applies (:func:`_parse_args`)."""
+    parser = argparse.ArgumentParser(prog=prog, argument_default=None, description="Fine-tune a BERT directory (a "
+                                     "bert_ds export or a Hugging Face BERT) with transformers' heads and Trainer, on "
+                                     "any task shape of the BERT paper: classification, regression, multiple choice, "
+                                     "token tagging, span-extraction QA.")
+    add = parser.add_argument
+    add("--model", required=True, help="export directory (bert-ds-convert-checkpoint --out) or any Hugging Face BERT "
+        "directory")
+    add("--task", metavar="TASK", help=f"a preset or generic shape: {', '.join(TASKS)} ({_d('task')})")
+    add("--data-dir", help="GLUE data directory (or the task's directory), or the directory holding the preset's "
+        "SQuAD/SWAG/CoNLL files")
+    add("--train", dest="train_file", help="training file (overrides --data-dir)")
+    add("--validation", dest="validation_file", help="labelled evaluation file in the same format (overrides "
+        "--data-dir's dev split)")
+    add("--out", required=True, help="output directory (must not exist or be empty)")
+    add("--tokenizer", help="tokenizer directory (default: the model's); its casing must match the model's and its "
+        "vocabulary must be the model's, token by id")
+    add("--text-column", help="generic tasks: the (first) text (default: text); token: the words, a JSON list or a "
+        "space-separated string (default: tokens)")
+    add("--text-pair-column", help="generic tasks: the second text of a pair")
+    add("--label-column", help="generic tasks: the label (default: label); token: the tags (default: tags)")
+    add("--max-seq-length", type=int, help="WordPieces per example, [CLS]/[SEP] included; longer ones are truncated "
+        f"and counted (default: {QA_MAX_SEQ_LENGTH} for QA tasks, {MAX_SEQ_LENGTH} for the others)")
+    add("--doc-stride", type=int, help=f"QA: tokens a window shares with the previous one ({_d('doc_stride')})")
+    add("--max-query-length", type=int, help=f"QA: question WordPieces kept ({_d('max_query_length')})")
+    add("--n-best", type=int, help=f"QA: start/end candidates per window ({_d('n_best')})")
+    add("--max-answer-length", type=int, help=f"QA: longest answer in WordPieces ({_d('max_answer_length')})")
+    add("--null-threshold", type=float, help="SQuAD v2.0: no answer when null score - best span score exceeds this "
+        f"({_d('null_threshold')}; the metrics report the dev-optimal value as best_f1_thresh, in these units)")
+    add("--epochs", type=float, help=f"passes over the training file ({_d('epochs')})")
+    add("--batch-size", type=int, help=f"examples per step and device ({_d('batch_size')})")
+    add("--gradient-accumulation-steps", type=int, help=f"batches per optimizer step "
+        f"({_d('gradient_accumulation_steps')})")
+    add("--learning-rate", type=float, help=f"peak Adam lr, linear decay ({_d('learning_rate')})")
+    add("--weight-decay", type=float, help=f"AdamW weight decay ({_d('weight_decay')})")
+    add("--warmup-fraction", type=float, help=f"fraction of the steps spent warming the lr up "
+        f"({_d('warmup_fraction')})")
+    add("--seed", type=int, help=f"seed of the head's init and the shuffling ({_d('seed')})")
+    add("--device", choices=DEVICES, help=f"auto: a GPU when there is one; cpu; cuda ({_d('device')})")
+    add("--bf16", action="store_true", default=None, help="bf16 mixed precision")
+    add("--deepspeed", metavar="CONFIG", help="DeepSpeed JSON config for Trainer's integration (launch with the "
+        "deepspeed launcher)")
+    add("--logging-steps", type=int, help=f"log the training loss every N steps ({_d('logging_steps')})")
+    add("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser
 
 
@@ -585,6 +647,7 @@ def _parse_args(argv: list[str] | None) -> FinetuneArgs:
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
     ns.pop("local_rank")  # the deepspeed launcher passes it; transformers reads LOCAL_RANK
+    ns = {k: v for k, v in ns.items() if v is not None}  # an option not given: FinetuneArgs' default
     try:
         return FinetuneArgs(**ns)
     except ValueError as exc:

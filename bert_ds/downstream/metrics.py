@@ -191,35 +191,50 @@ def squad_v1(predictions: dict[str, str], examples: Sequence[dict]) -> dict[str,
     return {"exact_match": 100.0 * exact / len(examples), "f1": 100.0 * f1 / len(examples)}
 
 
+def _below_every(values) -> float:
+    """A readable threshold under every value (their floor minus one): with it, every question is "no answer"."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(math.floor(min(finite)) - 1) if finite else 0.0
+
+
 def _best_threshold(predictions, raw: dict[str, float], na_probs: dict[str, float],
-                    has_answer: dict[str, bool]) -> tuple[float, float]:
+                    has_answer: dict[str, bool], reproducible: bool = False) -> tuple[float, float]:
     """The official v2.0 threshold sweep. Below every no-answer probability all questions answer "no answer" (score =
     number of NoAns questions); raising the threshold past a question's probability switches it to its predicted
     span, which gains its raw score if it has an answer and loses 1 if it has none and the span is non-empty. The
     best running total and the probability where it was reached are kept (the first on ties). Like the official
     script, the sweep walks questions one by one in (stable) probability order, even inside a group of equal
     probabilities; and a best total reached before any question switches reports threshold 0.0, which means "below
-    every value" only for probabilities (with signed scores such as null-score margins, read it as minus infinity)."""
+    every value" only for probabilities (with signed scores such as null-score margins, read it as minus infinity).
+
+    ``reproducible``: every reported (score, threshold) is what thresholding at that value gives (the official sweep
+    evaluated in the units of its input, as ``--null-threshold`` takes them): a total counts only once every question
+    of equal probability has switched (a threshold cannot split them), and the start reports a value below every
+    probability (:func:`_below_every`) instead of 0.0."""
     total = sum(1 for v in has_answer.values() if not v)
-    best, best_threshold = total, 0.0
-    for qid in sorted(na_probs, key=lambda k: na_probs[k]):
-        if qid not in raw:
-            continue
+    order = [qid for qid in sorted(na_probs, key=lambda k: na_probs[k]) if qid in raw]
+    best, best_threshold = total, _below_every(na_probs[q] for q in order) if reproducible and order else 0.0
+    for i, qid in enumerate(order):
         if has_answer[qid]:
             total += raw[qid]
         elif predictions[qid]:
             total -= 1
+        if reproducible and i + 1 < len(order) and na_probs[order[i + 1]] == na_probs[qid]:
+            continue  # the rest of this probability's questions switch at the same threshold
         if total > best:
             best, best_threshold = total, na_probs[qid]
     return 100.0 * best / len(raw), best_threshold
 
 
 def squad_v2(predictions: dict[str, str], examples: Sequence[dict], na_probs: dict[str, float] | None = None,
-             na_prob_thresh: float = 1.0) -> dict[str, float]:
+             na_prob_thresh: float = 1.0, reproducible_thresholds: bool = False) -> dict[str, float]:
     """SQuAD v2.0 metrics (0-100) like the official script: ``exact`` / ``f1`` after the no-answer threshold (a
     question whose ``na_probs`` exceeds ``na_prob_thresh`` is answered "no answer"), the same on the HasAns and NoAns
     questions, and the best exact / F1 over all thresholds with the thresholds that reach them. Without ``na_probs``
-    every probability is 0 (the script's default). Every question needs a prediction ("" = no answer)."""
+    every probability is 0 (the script's default). Every question needs a prediction ("" = no answer).
+    ``reproducible_thresholds``: best scores and thresholds that ``na_prob_thresh`` = the reported threshold gives
+    back (see ``_best_threshold``), for signed scores such as fine-tuning's null margins; False: the official
+    script's numbers, probabilities in [0, 1]."""
     if not examples:
         raise ValueError("no questions to score")
     missing = [e["id"] for e in examples if e["id"] not in predictions]
@@ -253,8 +268,10 @@ def squad_v2(predictions: dict[str, str], examples: Sequence[dict], na_probs: di
             out[f"{prefix}f1"] = 100.0 * sum(f1[q] for q in ids) / len(ids)
         out[f"{prefix}total"] = len(ids)
     sweep_na = {qid: na_probs[qid] for qid in na_probs if qid in exact}
-    out["best_exact"], out["best_exact_thresh"] = _best_threshold(predictions, exact_raw, sweep_na, has_answer)
-    out["best_f1"], out["best_f1_thresh"] = _best_threshold(predictions, f1_raw, sweep_na, has_answer)
+    out["best_exact"], out["best_exact_thresh"] = _best_threshold(predictions, exact_raw, sweep_na, has_answer,
+                                                                  reproducible_thresholds)
+    out["best_f1"], out["best_f1_thresh"] = _best_threshold(predictions, f1_raw, sweep_na, has_answer,
+                                                            reproducible_thresholds)
     return out
 
 

@@ -8,28 +8,39 @@ generic CSV / JSON-lines files. ``read_split(spec, path)`` returns normalised re
 
 Every malformed input raises ``DownstreamInputError`` (a ValueError) naming the file, the line and the column (a
 field number and name, or a JSON path): wrong column count, missing header columns, a label outside the preset's set,
-bytes that are not UTF-8, a cell over ``MAX_CELL_CHARS``, bad JSON. GLUE TSVs are split on tabs with no quoting
+bytes that are not UTF-8, a cell over ``MAX_CELL_CHARS``, bad JSON, a tag outside the IOB scheme of the file's other
+tags. A training SQuAD answer whose ``answer_start`` does not hold its text is skipped and counted, as Google's
+``run_squad.py`` skips it; more than ``MAX_MISPLACED_ANSWER_SHARE`` of them refuse the file. Records carry the
+``line`` they start on, for messages about them further on. GLUE TSVs are split on tabs with no quoting
 (their sentences contain unbalanced quotes: transformers' GLUE processors read them with ``quotechar=None``).
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import logging
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from bert_ds.downstream.tasks import TaskSpec, TsvLayout, task_spec
 
-__all__ = ["MAX_CELL_CHARS", "DownstreamInputError", "read_split", "read_records", "read_glue_tsv", "read_squad_json",
-           "read_swag_csv", "read_conll", "iter_lines"]
+__all__ = ["MAX_CELL_CHARS", "MAX_MISPLACED_ANSWER_SHARE", "DownstreamInputError", "read_split", "read_records",
+           "read_glue_tsv", "read_squad_json", "misplaced_answer", "read_swag_csv", "read_conll", "iter_lines"]
 
 MAX_CELL_CHARS = 1_000_000
 """Longest accepted cell (characters). SQuAD's longest context is ~26k characters; a bigger cell is a broken file
 (an unclosed quote swallowing the rest of a CSV, or the wrong file), refused before it reaches a tokenizer."""
 _MAX_LINE_BYTES = 8 * MAX_CELL_CHARS
+
+MAX_MISPLACED_ANSWER_SHARE = 0.01
+"""Largest share of a SQuAD training file's answers whose ``answer_start`` may miss the answer text; those are
+skipped (with a warning that counts them), as ``run_squad.py`` skips them ("Could not find answer"). Such answers
+are rare slips in real files (SQuAD v1.1's train set has a handful in 87,599); more than 1% means the offsets are
+wrong as a whole (another encoding, another version of the contexts) and the file is refused."""
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +170,7 @@ def read_glue_tsv(spec: TaskSpec, path: str | Path, labelled: bool | None = None
             "text_pair": cells[index[layout.text_pair]] if layout.text_pair else None,
             "label": label,
             "idx": cells[index[layout.idx]] if layout.idx else number,
+            "line": number,
         })
     if dropped:
         log.warning("%s: dropped %d lines with a column count other than %d (lines %s%s)", path, len(dropped), width,
@@ -211,10 +223,49 @@ def _read_json_document(path: str | Path):
         raise DownstreamInputError(path, exc.lineno, exc.colno, f"not valid JSON: {exc.msg}") from None
 
 
-def read_squad_json(path: str | Path, version: int | None = None) -> list[dict]:
+# run_squad.py's is_whitespace: space, tab, CR, LF and U+202F (narrow no-break space) separate the context's words.
+_SQUAD_WORD = re.compile(r"[^ \t\r\n\u202f]+")
+
+
+def misplaced_answer(context: str, start: int, text: str) -> str | None:
+    """None when ``answer_start`` holds the answer as Google's ``run_squad.py`` (``read_squad_examples``) checks a
+    training answer: the context's whitespace words from the one holding the span's first character to the one
+    holding its last (a space belongs to the word before it), joined by single spaces, contain the answer's words
+    joined likewise. Else those words: what the span holds instead."""
+    wanted = " ".join(text.split())
+    if not wanted:
+        return None
+    words = list(_SQUAD_WORD.finditer(context))
+    starts = [m.start() for m in words]
+    first = max(bisect.bisect_right(starts, start) - 1, 0)
+    last = max(bisect.bisect_right(starts, start + len(text) - 1) - 1, 0)
+    held = " ".join(m.group() for m in words[first:last + 1])
+    return None if wanted in held else held
+
+
+def _drop_misplaced(path, records: list[dict], misplaced: list[tuple], answered: int) -> list[dict]:
+    """Skip the training questions whose answer is not at its ``answer_start`` (run_squad.py's "Could not find
+    answer"), or refuse the file when they are more than MAX_MISPLACED_ANSWER_SHARE of its answers."""
+    if not misplaced:
+        return records
+    line, field, qid, start, held, text = misplaced[0]
+    if len(misplaced) > MAX_MISPLACED_ANSWER_SHARE * answered:
+        raise DownstreamInputError(path, line, field, f"question {qid!r}: answer_start {start} holds {held!r}, not "
+                                   f"the answer {text!r} ({len(misplaced)} of {answered} training answers miss their "
+                                   f"text, over the {MAX_MISPLACED_ANSWER_SHARE:.0%} run_squad.py-style skip limit)")
+    log.warning("%s: skipped %d of %d training questions whose answer_start does not hold the answer text, as "
+                "run_squad.py does (first: question %r at line %d, answer_start %d holds %r, not %r)", path,
+                len(misplaced), answered, qid, line, start, held, text)
+    bad = {m[2] for m in misplaced}
+    return [r for r in records if r["id"] not in bad]
+
+
+def read_squad_json(path: str | Path, version: int | None = None, training: bool = False) -> list[dict]:
     """Questions of a SQuAD v1.1 / v2.0 file (``{"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}``).
     ``version=1`` requires at least one answer per question; ``version=2`` requires ``is_impossible`` to agree with
-    the answers (none for an impossible question); None accepts both."""
+    the answers (none for an impossible question); None accepts both. ``training``: the first answer (the one
+    training uses) must lie at its ``answer_start`` (:func:`misplaced_answer`), else the question is skipped
+    (:data:`MAX_MISPLACED_ANSWER_SHARE`); evaluation scores answer texts only, so dev files are not checked."""
     doc, text = _read_json_document(path)
     where = _Locator(text)
 
@@ -229,7 +280,7 @@ def read_squad_json(path: str | Path, version: int | None = None) -> list[dict]:
 
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         fail(1, "data", "a SQuAD file is an object with a 'data' list")
-    records, seen = [], {}
+    records, seen, misplaced = [], {}, []
     for a, article in enumerate(doc["data"]):
         a_field = f"data[{a}]"
         title = article.get("title", "") if isinstance(article, dict) else ""
@@ -265,12 +316,15 @@ def read_squad_json(path: str | Path, version: int | None = None) -> list[dict]:
                     fail(line, f"{q_field}.answers", "SQuAD v1.1 question without an answer")
                 if version == 2 and impossible == bool(texts):
                     fail(line, f"{q_field}.is_impossible", f"is_impossible={impossible} but {len(texts)} answers")
+                held = misplaced_answer(context, starts[0], texts[0]) if training and texts else None
+                if held is not None:
+                    misplaced.append((line, f"{q_field}.answers[0].answer_start", qid, starts[0], held, texts[0]))
                 records.append({"id": qid, "title": title, "question": question, "context": context,
                                 "answers": {"text": texts, "answer_start": starts},
-                                "is_impossible": impossible or not texts})
+                                "is_impossible": impossible or not texts, "line": line})
     if not records:
         fail(1, "data", "no questions")
-    return records
+    return _drop_misplaced(path, records, misplaced, sum(bool(r["answers"]["text"]) for r in records))
 
 
 # --------------------------------------------------------------------------------------------------- SWAG CSV
@@ -333,7 +387,7 @@ def read_swag_csv(spec: TaskSpec, path: str | Path, labelled: bool | None = None
         records.append({"context": cells[at["sent1"]],
                         "endings": [f"{sent2} {cells[at[e]]}" for e in _SWAG_ENDINGS],
                         "label": label,
-                        "idx": cells[at["fold-ind"]] if "fold-ind" in at else number})
+                        "idx": cells[at["fold-ind"]] if "fold-ind" in at else number, "line": number})
     if not records:
         raise DownstreamInputError(path, 2, 1, "no examples after the header")
     return records
@@ -349,7 +403,7 @@ def read_conll(spec: TaskSpec, path: str | Path) -> list[dict]:
         fields = text.split()
         if not fields:
             if tokens:
-                records.append({"tokens": tokens, "tags": tags, "idx": start})
+                records.append({"tokens": tokens, "tags": tags, "idx": start, "line": start})
             tokens, tags = [], []
             continue
         if fields[0] == "-DOCSTART-":
@@ -370,7 +424,7 @@ def read_conll(spec: TaskSpec, path: str | Path) -> list[dict]:
         tokens.append(fields[0])
         tags.append(fields[-1])
     if tokens:
-        records.append({"tokens": tokens, "tags": tags, "idx": start})
+        records.append({"tokens": tokens, "tags": tags, "idx": start, "line": start})
     if not records:
         raise DownstreamInputError(path, 1, 1, "no sentences")
     return records
@@ -476,14 +530,14 @@ def _records_for(spec: TaskSpec, path, columns: dict[str, str]) -> list[dict]:
             pair = columns.get("text_pair")
             out.append({"text": str(_field(row, columns["text"], path)),
                         "text_pair": str(_field(row, pair, path)) if pair else None,
-                        "label": label, "idx": row.get("idx", line)})
+                        "label": label, "idx": row.get("idx", line), "line": line})
         elif spec.shape == "token":
             tokens = _words(_field(row, columns["tokens"], path))
             tags = _words(_field(row, columns["tags"], path))
             if len(tokens) != len(tags):
                 raise DownstreamInputError(path, line, repr(columns["tags"]),
                                            f"{len(tokens)} words in {columns['tokens']!r} but {len(tags)} tags")
-            out.append({"tokens": tokens, "tags": tags, "idx": row.get("idx", line)})
+            out.append({"tokens": tokens, "tags": tags, "idx": row.get("idx", line), "line": line})
         elif spec.shape == "multiple_choice":
             if columns["endings"] in row:
                 endings = _words(row[columns["endings"]]) if not isinstance(row[columns["endings"]], list) else \
@@ -504,25 +558,49 @@ def _records_for(spec: TaskSpec, path, columns: dict[str, str]) -> list[dict]:
                                                f"label {row[columns['label']]!r} is not an ending index "
                                                f"0..{len(endings) - 1}")
             out.append({"context": str(_field(row, columns["context"], path)), "endings": endings, "label": label,
-                        "idx": row.get("idx", line)})
+                        "idx": row.get("idx", line), "line": line})
         else:
             raise ValueError(f"task {spec.name!r}: shape {spec.shape!r} is not read from CSV/JSON lines")
+    if spec.shape == "token":
+        _check_iob_scheme(path, out, columns["tags"])
     return out
+
+
+_IOB_PREFIXED = re.compile(r"[BIES]-\S")
+_IOB_TAG = re.compile(r"O|[BIES]-\S.*")
+
+
+def _check_iob_scheme(path, records: list[dict], column: str) -> None:
+    """A file whose tags use the IOB scheme (some tag is ``B-TYPE`` / ``I-TYPE``, or IOBES's ``E-`` / ``S-``) must
+    use it for every tag: seqeval reads any other tag's first letter as the prefix ("MISC" is an entity of type
+    "ISC"), a silently wrong entity F1. I- may start an entity (IOB1, CoNLL-2003's original files), so only tags
+    outside the scheme are refused. A file of plain tags (no prefixed tag: POS-like tags) is left as it is."""
+    tags = [(r["line"], t) for r in records for t in r["tags"]]
+    example = next(((line, t) for line, t in tags if _IOB_PREFIXED.match(t)), None)
+    if example is None:
+        return
+    for line, tag in tags:
+        if not _IOB_TAG.fullmatch(tag):
+            raise DownstreamInputError(path, line, repr(column), f"tag {tag!r} is outside the IOB scheme of the "
+                                       f"file's other tags (O, B-TYPE, I-TYPE, E-TYPE, S-TYPE; {example[1]!r} on "
+                                       f"line {example[0]})")
 
 
 # --------------------------------------------------------------------------------------------------- entry point
 def read_split(spec: TaskSpec | str, path: str | Path, *, labelled: bool | None = None,
-               columns: dict[str, str] | None = None, drop_malformed_rows: bool | None = None) -> list[dict]:
+               columns: dict[str, str] | None = None, drop_malformed_rows: bool | None = None,
+               training: bool = False) -> list[dict]:
     """Normalised records of one split file of task ``spec`` (a TaskSpec or a preset name). ``labelled`` (GLUE,
     SWAG) insists on a labelled or an unlabelled file; ``columns`` overrides a generic task's column names;
-    ``drop_malformed_rows`` (GLUE) overrides the preset's choice (see ``TaskSpec.drop_malformed_rows``)."""
+    ``drop_malformed_rows`` (GLUE) overrides the preset's choice (see ``TaskSpec.drop_malformed_rows``);
+    ``training`` (SQuAD) checks each answer against its ``answer_start`` (:func:`read_squad_json`)."""
     if isinstance(spec, str):
         spec = task_spec(spec)
     if spec.format == "glue_tsv":
         return read_glue_tsv(spec, path, labelled, drop_malformed_rows)
     if spec.format == "squad_json":
         version = {"squad_v1": 1, "squad_v2": 2}.get(spec.name)
-        return read_squad_json(path, version)
+        return read_squad_json(path, version, training)
     if spec.format == "swag_csv":
         return read_swag_csv(spec, path, labelled)
     if spec.format == "conll":

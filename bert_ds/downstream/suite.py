@@ -7,8 +7,11 @@ fine-tune's encoder, as NeoBERT and RoBERTa do; the classifier is initialised an
 
 Scores are on dev (GLUE's test labels are private): MNLI-m/mm and QNLI, SST-2, RTE accuracy, QQP and MRPC F1, CoLA
 Matthews correlation, STS-B Spearman, times 100. The average is over the paper's nine columns; WNLI is run when
-present but left out of it, as the paper does. Writes ``glue_results.md`` and ``glue_results.json`` to ``--out``;
-each run's own ``finetune_metrics.json`` stays under ``runs/<task>/lr<lr>/seed<k>/``.
+present but left out of it, as the paper does; QQP and MRPC accuracy and STS-B Pearson, which GLUE reports beside
+them, are shown and not averaged. Writes ``glue_results.md`` and ``glue_results.json`` to ``--out``; each run's own
+``finetune_metrics.json`` stays under ``runs/<task>/lr<lr>/seed<k>/``. A run found finished there is reused only when
+its recorded identity (model and data by content hash, task, every setting: ``finetune.run_identity``) is the one the
+suite would run; any other finished run is refused, naming the first field that differs (never overwritten).
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import logging
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from bert_ds.downstream.finetune import METRICS_NAME, FinetuneArgs, finetune
+from bert_ds.downstream.finetune import METRICS_NAME, FinetuneArgs, finetune, run_identity
 from bert_ds.downstream.tasks import GLUE_TASKS
 
 __all__ = ["COLUMNS", "TRANSFER_TASKS", "SuiteArgs", "find_tasks", "run_suite", "markdown_table", "main"]
@@ -36,7 +39,14 @@ COLUMNS = (("MNLI-m", "mnli", "dev_matched", "accuracy"), ("MNLI-mm", "mnli", "d
            ("QQP", "qqp", "dev", "f1"), ("QNLI", "qnli", "dev", "accuracy"), ("SST-2", "sst2", "dev", "accuracy"),
            ("CoLA", "cola", "dev", "mcc"), ("STS-B", "stsb", "dev", "spearman"), ("MRPC", "mrpc", "dev", "f1"),
            ("RTE", "rte", "dev", "accuracy"))
-EXTRA_COLUMNS = (("WNLI", "wnli", "dev", "accuracy"),)  # run, shown, not averaged (paper Table 1 note)
+# Shown, not averaged: WNLI (paper Table 1 note), and the second figure GLUE reports for QQP, STS-B and MRPC (F1 and
+# accuracy, Pearson and Spearman). Each column's key in the results is its heading, or "heading metric" for these.
+EXTRA_COLUMNS = (("QQP", "qqp", "dev", "accuracy"), ("STS-B", "stsb", "dev", "pearson"),
+                 ("MRPC", "mrpc", "dev", "accuracy"), ("WNLI", "wnli", "dev", "accuracy"))
+_ABBREVIATIONS = {"accuracy": "acc", "f1": "F1", "mcc": "MCC", "spearman": "Spearman", "pearson": "Pearson"}
+# Table order: each Table 1 column followed by its task's second figure, then WNLI.
+SHOWN = tuple(c for main in COLUMNS for c in (main, *(e for e in EXTRA_COLUMNS if e[1] == main[1]))) + tuple(
+    e for e in EXTRA_COLUMNS if e[1] not in {c[1] for c in COLUMNS})
 TRANSFER_TASKS = ("rte", "mrpc", "stsb")
 ORDER = ("mnli", "qqp", "qnli", "sst2", "cola", "stsb", "mrpc", "rte", "wnli")  # MNLI first: transfer needs it
 RESULTS_NAME = "glue_results"
@@ -55,7 +65,8 @@ class SuiteArgs:
     """Only these tasks (default: every task with a train.tsv in data_dir)."""
     epochs: float = 3.0
     batch_size: int = 32
-    max_seq_length: int = 128
+    max_seq_length: int | None = None
+    """None: the task's (``TaskSpec.max_seq_length``, 128 for GLUE)."""
     device: str = "auto"
     bf16: bool = False
     gradient_accumulation_steps: int = 1
@@ -90,15 +101,41 @@ def find_tasks(data_dir: str | Path, only: tuple[str, ...] = ()) -> list[str]:
     return found
 
 
+def column_key(column: tuple[str, str, str, str]) -> str:
+    """A column's key in the results: its heading, or "heading metric" for a task's second figure (QQP accuracy)."""
+    heading, task, _, metric = column
+    return heading if column == next(c for c in SHOWN if c[1] == task) or task == "mnli" else f"{heading} {metric}"
+
+
+def _check_reusable(run_dir: Path, metrics: dict, identity: dict) -> None:
+    """A finished run is this suite's only when its recorded identity is ``identity``, field for field: else it is
+    another model's (or data's, or settings') result, which the suite must neither report under this model's name nor
+    overwrite. Refused naming the first field that differs."""
+    recorded = metrics.get("identity")
+    if recorded is None:
+        raise ValueError(f"{run_dir}: a finished run without a recorded identity (written before bert_ds recorded "
+                         "one), so nothing tells its model from this one; choose a new --out, or delete it to rerun")
+    identity = json.loads(json.dumps(identity))  # as the metrics file holds it (tuples as lists)
+    differ = [k for k in identity if recorded.get(k) != identity[k]] + [k for k in recorded if k not in identity]
+    if differ:
+        key, also = differ[0], f" (also differ: {', '.join(differ[1:])})" if differ[1:] else ""
+        raise ValueError(f"{run_dir}: a finished run of another setup: {key} {recorded.get(key)} there, "
+                         f"{identity.get(key)} now{also}; choose a new --out, or delete {run_dir} to rerun it")
+
+
 def _run(args: SuiteArgs, task: str, lr: float, seed: int, start_model: str) -> dict:
     out = Path(args.out) / "runs" / task / f"lr{lr:g}" / f"seed{seed}"
-    metrics_file = out / METRICS_NAME
-    if metrics_file.is_file():  # a finished run of an interrupted suite is not repeated
-        return json.loads(metrics_file.read_text())
-    metrics = finetune(FinetuneArgs(
+    run_args = FinetuneArgs(
         model=start_model, out=str(out), task=task, data_dir=args.data_dir, epochs=args.epochs,
         batch_size=args.batch_size, max_seq_length=args.max_seq_length, learning_rate=lr, seed=seed,
-        device=args.device, bf16=args.bf16, gradient_accumulation_steps=args.gradient_accumulation_steps))
+        device=args.device, bf16=args.bf16, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    metrics_file = out / METRICS_NAME
+    if metrics_file.is_file():  # a finished run of an interrupted suite is not repeated, if it is this suite's
+        metrics = json.loads(metrics_file.read_text())
+        _check_reusable(out, metrics, run_identity(run_args))
+        log.info("%s: reusing the finished run (same model and data by sha256, same settings)", out)
+        return metrics
+    metrics = finetune(run_args)
     if not args.keep_models and not (task == "mnli" and args.mnli_transfer):
         for weights in out.glob("*.safetensors"):
             weights.unlink()
@@ -116,9 +153,7 @@ def run_suite(args: SuiteArgs) -> dict:
         raise ValueError(f"{args.data_dir}: MNLI transfer needs the MNLI task directory")
     grid = args.lr_grid or (args.learning_rate,)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    columns = {c[1]: [] for c in COLUMNS + EXTRA_COLUMNS}
-    for column in COLUMNS + EXTRA_COLUMNS:
-        columns[column[1]].append(column)
+    columns = {c[1]: [c2 for c2 in SHOWN if c2[1] == c[1]] for c in SHOWN}
     results: dict[str, dict] = {}
     mnli_models: dict[int, str] = {}
     for task in tasks:
@@ -140,9 +175,10 @@ def run_suite(args: SuiteArgs) -> dict:
             mnli_models = {seed: str(Path(args.out) / "runs" / "mnli" / f"lr{best_lr:g}" / f"seed{seed}")
                            for seed in seeds}
         scores = {}
-        for heading, _, split, metric in columns[task]:
+        for column in columns[task]:
+            _, _, split, metric = column
             values = [_score(per_lr[best_lr][s], split, metric) for s in seeds]
-            scores[heading] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+            scores[column_key(column)] = {"median": statistics.median(values), "min": min(values), "max": max(values),
                                "runs": values, "metric": metric, "split": split}
         results[task] = {"learning_rate": best_lr, "seeds": seeds, "columns": scores,
                          "transfer_from_mnli": bool(args.mnli_transfer and task in TRANSFER_TASKS),
@@ -164,12 +200,12 @@ def run_suite(args: SuiteArgs) -> dict:
 def markdown_table(table: dict) -> str:
     """The paper's Table 1 layout: one row, a column per task (median and min-max over seeds), then the average."""
     headings, cells = [], []
-    for heading, task, _, _ in COLUMNS + EXTRA_COLUMNS:
+    for shown in SHOWN:
+        heading, task = shown[:2]
         if task not in table["tasks"]:
             continue
-        column = table["tasks"][task]["columns"][heading]
-        metric = {"accuracy": "acc", "f1": "F1", "mcc": "MCC", "spearman": "Spearman"}[column["metric"]]
-        headings.append(f"{heading} ({metric})" + (" *" if task == "wnli" else ""))
+        column = table["tasks"][task]["columns"][column_key(shown)]
+        headings.append(f"{heading} ({_ABBREVIATIONS[column['metric']]})" + (" *" if task == "wnli" else ""))
         cells.append(f"{column['median']:.1f} ({column['min']:.1f}-{column['max']:.1f})")
     average = "n/a" if table["average"] is None else f"{table['average']:.1f}"
     if not table["complete"]:
@@ -185,41 +221,44 @@ def markdown_table(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_DEFAULTS = {f.name: f.default for f in fields(SuiteArgs)}
+
+
 def _parse(argv: list[str] | None) -> SuiteArgs:
+    """The CLI over SuiteArgs: its defaults are SuiteArgs' (an option not given is left out)."""
     parser = argparse.ArgumentParser(prog="bert-ds-glue", description="Fine-tune a BERT directory on every GLUE task "
                                      "of a data directory with several seeds; median and spread per task and the "
                                      "GLUE average, as Markdown and JSON (BERT paper Table 1 layout).")
-    parser.add_argument("--model", required=True, help="bert_ds export or Hugging Face BERT directory")
-    parser.add_argument("--data-dir", required=True, help="GLUE data directory (CoLA/, SST-2/, MRPC/, ...)")
-    parser.add_argument("--out", required=True, help="output directory (results and per-run metrics)")
-    parser.add_argument("--seeds", type=int, default=5, help="fine-tuning seeds per task (default: 5)")
-    parser.add_argument("--learning-rate", type=float, default=2e-5, help="lr without a grid (default: 2e-5)")
-    parser.add_argument("--lr-grid", default="", help="comma-separated rates, e.g. 5e-5,4e-5,3e-5,2e-5: the best "
-                        "median dev score per task is kept")
-    parser.add_argument("--mnli-transfer", action="store_true", help="start RTE, MRPC and STS-B from the MNLI "
-                        "fine-tune of the same seed")
-    parser.add_argument("--tasks", default="", help="comma-separated subset, e.g. cola,sst2 (default: all found)")
-    parser.add_argument("--epochs", type=float, default=3.0, help="epochs per fine-tune (default: 3)")
-    parser.add_argument("--batch-size", type=int, default=32, help="batch per device (default: 32)")
-    parser.add_argument("--max-seq-length", type=int, default=128, help="default: 128")
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1, help="default: 1")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
-    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
-    parser.add_argument("--first-seed", type=int, default=1, help="seeds are first-seed .. first-seed+N-1")
-    parser.add_argument("--keep-models", action="store_true", help="keep every run's weights (default: only MNLI's "
-                        "under --mnli-transfer)")
-    ns = parser.parse_args(argv)
+    add, d = parser.add_argument, _DEFAULTS
+    add("--model", required=True, help="bert_ds export or Hugging Face BERT directory")
+    add("--data-dir", required=True, help="GLUE data directory (CoLA/, SST-2/, MRPC/, ...)")
+    add("--out", required=True, help="output directory (results and per-run metrics); finished runs there are reused "
+        "only when model, data and settings are the same, any other finished run is refused")
+    add("--seeds", type=int, help=f"fine-tuning seeds per task (default: {d['seeds']})")
+    add("--learning-rate", type=float, help=f"lr without a grid (default: {d['learning_rate']:g})")
+    add("--lr-grid", default="", help="comma-separated rates, e.g. 5e-5,4e-5,3e-5,2e-5: the best median dev score "
+        "per task is kept")
+    add("--mnli-transfer", action="store_true", default=None, help="start RTE, MRPC and STS-B from the MNLI "
+        "fine-tune of the same seed")
+    add("--tasks", default="", help="comma-separated subset, e.g. cola,sst2 (default: all found)")
+    add("--epochs", type=float, help=f"epochs per fine-tune (default: {d['epochs']:g})")
+    add("--batch-size", type=int, help=f"batch per device (default: {d['batch_size']})")
+    add("--max-seq-length", type=int, help="default: the task's, 128 for GLUE")
+    add("--gradient-accumulation-steps", type=int, help=f"default: {d['gradient_accumulation_steps']}")
+    add("--device", choices=("auto", "cpu", "cuda"), help=f"default: {d['device']}")
+    add("--bf16", action="store_true", default=None, help="bf16 mixed precision")
+    add("--first-seed", type=int, help=f"seeds are first-seed .. first-seed+N-1 (default: {d['first_seed']})")
+    add("--keep-models", action="store_true", default=None, help="keep every run's weights (default: only MNLI's "
+        "under --mnli-transfer)")
+    ns = vars(parser.parse_args(argv))
+    raw_grid = ns.pop("lr_grid")
     try:
-        grid = tuple(float(x) for x in ns.lr_grid.split(",") if x.strip())
+        grid = tuple(float(x) for x in raw_grid.split(",") if x.strip())
     except ValueError:
-        parser.error(f"--lr-grid {ns.lr_grid!r}: expected comma-separated numbers")
+        parser.error(f"--lr-grid {raw_grid!r}: expected comma-separated numbers")
+    tasks = tuple(t.strip() for t in ns.pop("tasks").split(",") if t.strip())
     try:
-        return SuiteArgs(model=ns.model, data_dir=ns.data_dir, out=ns.out, seeds=ns.seeds,
-                         learning_rate=ns.learning_rate, lr_grid=grid, mnli_transfer=ns.mnli_transfer,
-                         tasks=tuple(t.strip() for t in ns.tasks.split(",") if t.strip()), epochs=ns.epochs,
-                         batch_size=ns.batch_size, max_seq_length=ns.max_seq_length, device=ns.device, bf16=ns.bf16,
-                         gradient_accumulation_steps=ns.gradient_accumulation_steps, first_seed=ns.first_seed,
-                         keep_models=ns.keep_models)
+        return SuiteArgs(**{k: v for k, v in ns.items() if v is not None}, lr_grid=grid, tasks=tasks)
     except ValueError as exc:
         parser.error(str(exc))
 

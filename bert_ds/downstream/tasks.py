@@ -16,10 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SHAPES", "FORMATS", "TsvLayout", "TaskSpec", "TASKS", "GLUE_TASKS", "task_spec"]
+__all__ = ["SHAPES", "FORMATS", "MAX_SEQ_LENGTH", "QA_MAX_SEQ_LENGTH", "TsvLayout", "TaskSpec", "TASKS", "GLUE_TASKS",
+           "task_spec"]
 
 SHAPES = ("classification", "regression", "qa", "multiple_choice", "token")
 FORMATS = ("glue_tsv", "squad_json", "swag_csv", "conll", "records")
+MAX_SEQ_LENGTH = 128
+"""WordPieces per example when ``--max-seq-length`` is not given: Google's ``run_classifier.py`` default."""
+QA_MAX_SEQ_LENGTH = 384
+"""The QA presets' window: Google's ``run_squad.py`` default (with ``doc_stride`` 128, which a 128-token window,
+after the question, cannot hold)."""
 # compute_metrics' names, plus the SQuAD scripts' own keys ("exact_match" for v1.1, "exact" for v2.0, and their "f1").
 _METRIC_NAMES = ("accuracy", "f1", "mcc", "pearson", "spearman", "entity_f1", "entity_precision", "entity_recall",
                  "exact_match", "exact")
@@ -83,6 +89,8 @@ class TaskSpec:
     """Generic CSV/JSON-lines tasks: record field -> column name (e.g. ``{"text": "sentence", "label": "label"}``)."""
     eval_splits: tuple[str, ...] = ("dev",)
     """Splits the suite scores (MNLI: matched and mismatched)."""
+    max_seq_length: int = MAX_SEQ_LENGTH
+    """The window a run of this task gets unless ``--max-seq-length`` says otherwise (QA: QA_MAX_SEQ_LENGTH)."""
     drop_malformed_rows: bool = False
     """GLUE: skip (and count, with a warning) lines whose column count is wrong instead of refusing the file. Only
     QQP: its GLUE train/dev files carry such lines, which fairseq's GLUE preprocessing also drops (awk NF == 6)."""
@@ -200,10 +208,11 @@ CONLL_NER_TAGS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-
 _OTHER_TASKS: dict[str, TaskSpec] = {
     "squad_v1": TaskSpec(
         name="squad_v1", shape="qa", format="squad_json", metrics=["exact_match", "f1"],
-        main_metric="f1", splits={"train": "train-v1.1.json", "dev": "dev-v1.1.json"}),
+        main_metric="f1", splits={"train": "train-v1.1.json", "dev": "dev-v1.1.json"},
+        max_seq_length=QA_MAX_SEQ_LENGTH),
     "squad_v2": TaskSpec(
         name="squad_v2", shape="qa", format="squad_json", metrics=["exact", "f1"], main_metric="f1",
-        splits={"train": "train-v2.0.json", "dev": "dev-v2.0.json"}),
+        splits={"train": "train-v2.0.json", "dev": "dev-v2.0.json"}, max_seq_length=QA_MAX_SEQ_LENGTH),
     "swag": TaskSpec(
         name="swag", shape="multiple_choice", format="swag_csv", labels=["0", "1", "2", "3"],
         metrics=["accuracy"], main_metric="accuracy",
@@ -229,7 +238,8 @@ _OTHER_TASKS: dict[str, TaskSpec] = {
         name="multiple_choice", shape="multiple_choice", format="records", metrics=["accuracy"],
         main_metric="accuracy", columns={"context": "context", "endings": "endings", "label": "label"}),
     "qa": TaskSpec(
-        name="qa", shape="qa", format="squad_json", metrics=["exact", "f1"], main_metric="f1"),
+        name="qa", shape="qa", format="squad_json", metrics=["exact", "f1"], main_metric="f1",
+        max_seq_length=QA_MAX_SEQ_LENGTH),
 }
 
 TASKS: dict[str, TaskSpec] = {**GLUE_TASKS, **_OTHER_TASKS}

@@ -18,7 +18,7 @@ def cased_tokenizer(hub_bert, tmp_path):
     directory = tmp_path / "cased_tokenizer"
     (directory).mkdir()
     (directory / "vocab.txt").write_text("\n".join(vocab), encoding="utf-8")
-    transformers.BertTokenizerFast(vocab_file=str(directory / "vocab.txt"), do_lower_case=False).save_pretrained(
+    transformers.BertTokenizerFast(vocab=str(directory / "vocab.txt"), do_lower_case=False).save_pretrained(
         directory)
     return directory
 
@@ -64,3 +64,65 @@ def test_bad_task_or_files(hub_bert, tmp_path, capsys, argv, pattern):
         code = exc.code
     assert code == 2
     assert pattern in capsys.readouterr().err
+
+
+def _fast_tokenizer(directory, vocab: list[str], lowercase: bool = True):
+    directory.mkdir()
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tokenizer = transformers.BertTokenizerFast(vocab=str(directory / "vocab.txt"), do_lower_case=lowercase)
+    tokenizer.save_pretrained(directory)
+    return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def test_casing_probe_ignores_unk_pieces(hub_bert, tmp_path):
+    """An uncased tokenizer whose vocabulary cannot spell "hello" turns "Hello HELLO" into [UNK] [UNK]; those
+    upper-case letters are the special token's, not the input's: it is uncased, like the model."""
+    vocab = [t for t in (hub_bert / "vocab.txt").read_text(encoding="utf-8").splitlines() if not t.startswith("h")]
+    tokenizer = _fast_tokenizer(tmp_path / "no_hello", vocab)
+    assert "hello" not in tokenizer.get_vocab() and tokenizer.tokenize("Hello HELLO") == ["[UNK]", "[UNK]"]
+    assert check_casing(hub_bert, tokenizer) is True
+    assert check_casing(tmp_path / "no_hello", tokenizer) is True  # against itself
+    cased = _fast_tokenizer(tmp_path / "no_hello_cased", vocab, lowercase=False)
+    with pytest.raises(ValueError, match="cased .* but model .* was trained uncased"):
+        check_casing(hub_bert, cased)
+
+
+def test_tokenizer_vocabulary_is_compared_token_by_id(hub_bert, tmp_path):
+    from bert_ds.downstream.identity import check_vocabulary
+
+    vocab = (hub_bert / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    same = _fast_tokenizer(tmp_path / "same", vocab)
+    check_vocabulary(hub_bert, same, tmp_path / "same", 30522)
+    swapped = list(vocab)
+    swapped[1996], swapped[1997] = swapped[1997], swapped[1996]
+    with pytest.raises(ValueError) as info:
+        check_vocabulary(hub_bert, _fast_tokenizer(tmp_path / "swapped", swapped), tmp_path / "swapped", 30522)
+    assert f"id 1996: 'the' in {hub_bert / 'vocab.txt'} but 'of' in {tmp_path / 'swapped'}" in str(info.value)
+    longer = _fast_tokenizer(tmp_path / "longer", vocab + ["zzextra"])
+    with pytest.raises(ValueError, match=r"30523 tokens in .*longer but 30522 in .*vocab\.txt \(ids 0-30521 agree\)"):
+        check_vocabulary(hub_bert, longer, tmp_path / "longer", 30523)
+    # The model's own tokenizer (no --tokenizer) is only held to config.vocab_size; fewer ids than rows are fine.
+    check_vocabulary(hub_bert, same, None, 30528)
+    with pytest.raises(ValueError, match=r"30522 tokens, but .*config\.vocab_size is 30000: ids 30000-30521"):
+        check_vocabulary(hub_bert, same, None, 30000)
+
+
+def test_model_sha256_is_content(hub_bert, tmp_path):
+    from bert_ds.downstream.identity import model_sha256
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hub_bert / name, copy / name)
+    (copy / "finetune_metrics.json").write_text("{}")  # a run's output is not part of the model
+    base = model_sha256(copy)
+    assert model_sha256(copy) == base
+    with open(copy / "model.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert model_sha256(copy) != base
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no weight file"):
+        model_sha256(copy)

@@ -270,3 +270,40 @@ def test_squad_command_line_prints_the_official_result(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == f"error: {bad}: line 2, column 10: not valid JSON: Expecting value"
+
+
+def test_reproducible_threshold_is_one_null_threshold_takes():
+    """Null-score margins are signed: the official sweep's 0.0 for "below every value" is no usable
+    --null-threshold (margins -3, -2, -1: best F1 66.7 "at 0.0", but thresholding at 0.0 answers every question)."""
+    examples = [{"id": "a", "answers": {"text": [], "answer_start": []}},
+                {"id": "b", "answers": {"text": [], "answer_start": []}},
+                {"id": "c", "answers": {"text": ["Paris"], "answer_start": [0]}}]
+    spans = {"a": "London", "b": "Rome", "c": "Berlin"}
+    margins = {"a": -3.0, "b": -2.0, "c": -1.0}
+    official = squad_v2(spans, examples, margins, na_prob_thresh=0.0)
+    assert official["best_f1"] == pytest.approx(200 / 3) and official["best_f1_thresh"] == 0.0
+    assert official["f1"] == 0.0  # thresholding at the reported 0.0 answers all three: not the best
+    got = squad_v2(spans, examples, margins, na_prob_thresh=0.0, reproducible_thresholds=True)
+    assert got["best_f1"] == pytest.approx(200 / 3) and got["best_f1_thresh"] == -4.0
+    again = squad_v2(spans, examples, margins, na_prob_thresh=got["best_f1_thresh"])
+    assert again["f1"] == pytest.approx(got["best_f1"]) and again["exact"] == pytest.approx(got["best_exact"])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reproducible_thresholds_reproduce_their_scores_with_ties(seed):
+    """Random margins drawn from a few values (ties) and random answers: thresholding at each reported threshold
+    gives the reported best, which is the best over every threshold."""
+    rng = np.random.default_rng(seed)
+    examples, spans, margins = [], {}, {}
+    for i in range(30):
+        answerable = rng.random() < 0.5
+        examples.append({"id": f"q{i}", "answers": {"text": ["red fox"] if answerable else [],
+                                                    "answer_start": [0] if answerable else []}})
+        spans[f"q{i}"] = str(rng.choice(["red fox", "fox", "a dog", ""]))
+        margins[f"q{i}"] = float(rng.choice([-2.5, -1.0, 0.0, 0.5, 3.0]))
+    got = squad_v2(spans, examples, margins, reproducible_thresholds=True)
+    for metric in ("exact", "f1"):
+        again = squad_v2(spans, examples, margins, na_prob_thresh=got[f"best_{metric}_thresh"])
+        assert again[metric] == pytest.approx(got[f"best_{metric}"], abs=1e-9)
+        every = [squad_v2(spans, examples, margins, na_prob_thresh=t)[metric] for t in (-10.0, *margins.values())]
+        assert got[f"best_{metric}"] == pytest.approx(max(every), abs=1e-9)

@@ -13,6 +13,11 @@ from bert_ds.downstream.tasks import GLUE_TASKS, TASKS
 from tests.downstream.layouts import real_sentences, write_conll, write_glue_dir, write_squad, write_swag
 
 
+def _fields(records: list[dict]) -> list[dict]:
+    """Records without the line they start on (``test_records_carry_their_line`` checks it)."""
+    return [{k: v for k, v in r.items() if k != "line"} for r in records]
+
+
 @pytest.fixture(scope="module")
 def sentences(english_corpus):
     out = real_sentences(english_corpus, 2000)
@@ -32,7 +37,7 @@ def test_every_glue_split_reads_back_what_was_written(glue, task):
     spec = GLUE_TASKS[task]
     for split, records in expected[task].items():
         path = root / spec.glue_dir / spec.splits[split]
-        got = read_split(task, path)
+        got = _fields(read_split(task, path))
         assert got == records, f"{task} {split}"
         assert all(r["label"] is None for r in got) == split.startswith("test")
 
@@ -77,7 +82,7 @@ def test_squad_v1_and_v2_read_back(tmp_path, sentences):
     for version in (1, 2):
         path = tmp_path / f"squad{version}.json"
         expected = write_squad(path, sentences, 30, version)
-        got = read_split(f"squad_v{version}", path)
+        got = _fields(read_split(f"squad_v{version}", path))
         assert got == expected
         for r in got:
             for text, start in zip(r["answers"]["text"], r["answers"]["answer_start"], strict=True):
@@ -89,20 +94,20 @@ def test_swag_reads_context_and_four_endings(tmp_path, sentences):
     for labelled in (True, False):
         path = tmp_path / ("train.csv" if labelled else "test.csv")
         expected = write_swag(path, sentences, 20, labelled=labelled)
-        assert read_split("swag", path, labelled=labelled) == expected
+        assert _fields(read_split("swag", path, labelled=labelled)) == expected
 
 
 def test_conll_sentences_and_tags(tmp_path, sentences):
     path = tmp_path / "eng.train"
     expected = write_conll(path, sentences, 25)
-    assert read_split("conll2003", path) == expected
+    assert _fields(read_split("conll2003", path)) == expected
     assert "-DOCSTART-" not in {t for r in expected for t in r["tokens"]}
 
 
 def test_generic_csv_and_jsonl(tmp_path, sentences):
     csv_path = tmp_path / "pair.csv"
     csv_path.write_text('text,text_pair,label\n"a, b",second,yes\n"with ""quotes""",x,no\n', encoding="utf-8")
-    assert read_split("pair", csv_path) == [
+    assert _fields(read_split("pair", csv_path)) == [
         {"text": "a, b", "text_pair": "second", "label": "yes", "idx": 2},
         {"text": 'with "quotes"', "text_pair": "x", "label": "no", "idx": 3}]
     assert read_records(csv_path)[0] == {"text": "a, b", "text_pair": "second", "label": "yes"}
@@ -116,7 +121,8 @@ def test_generic_csv_and_jsonl(tmp_path, sentences):
     assert read_split("token", tokens)[0]["tags"] == ["B-LOC", "I-LOC"]
     mc = tmp_path / "mc.csv"
     mc.write_text("context,ending0,ending1,ending2,label\nctx,a,b,c,2\n", encoding="utf-8")
-    assert read_split("multiple_choice", mc) == [{"context": "ctx", "endings": ["a", "b", "c"], "label": 2, "idx": 2}]
+    assert _fields(read_split("multiple_choice", mc)) == [{"context": "ctx", "endings": ["a", "b", "c"], "label": 2,
+                                                           "idx": 2}]
 
 
 # ------------------------------------------------------------------------------------------------ malformed inputs
@@ -309,3 +315,68 @@ def test_qqp_drops_lines_with_the_wrong_column_count_and_says_so(tmp_path, caplo
     # Dropping never hides a bad label or undecodable bytes.
     _write(path, header + "0\t1\t2\tHow?\tWhy?\t7\n")
     assert "label '7' not in" in str(_error("qqp", path))
+
+
+def test_records_carry_their_line(tmp_path, sentences):
+    csv_path = tmp_path / "pair.csv"
+    csv_path.write_text('text,label\n"two\nlines",a\nthird,b\n', encoding="utf-8")
+    assert [r["line"] for r in read_split("sequence", csv_path)] == [2, 4]  # a quoted cell spans lines 2-3
+    conll = tmp_path / "eng.train"
+    write_conll(conll, sentences, 3)
+    lines = conll.read_text(encoding="utf-8").splitlines()
+    for record in read_split("conll2003", conll):
+        assert lines[record["line"] - 1].split()[0] == record["tokens"][0]
+
+
+# ------------------------------------------------------------------------------------------------ self-consistency
+def _squad_file(path, answers: list[tuple[str, str, int]]) -> None:
+    """One paragraph per (context, answer, answer_start)."""
+    data = [{"title": f"t{i}", "paragraphs": [{"context": c, "qas": [
+        {"id": f"q{i}", "question": "what ?", "answers": [{"text": a, "answer_start": s}]}]}]}
+        for i, (c, a, s) in enumerate(answers)]
+    path.write_text(json.dumps({"version": "1.1", "data": data}, indent=1), encoding="utf-8")
+
+
+def test_misplaced_answer_is_run_squads_rule():
+    from bert_ds.downstream.readers import misplaced_answer
+
+    context = "The tower is 324 metres tall.  It opened\tin 1889."
+    assert misplaced_answer(context, context.index("324"), "324") is None
+    assert misplaced_answer(context, context.index("324") + 1, "324") is None  # same whitespace word: found
+    assert misplaced_answer(context, context.index("1889"), "1889.") is None
+    assert misplaced_answer(context, context.index("opened"), "opened in") is None  # whitespace normalised
+    assert misplaced_answer(context, 0, "324") == "The"
+    assert misplaced_answer(context, context.index("tall.") + 5, "It") == "tall. It"  # a space joins the word before
+
+
+def test_squad_training_answers_off_their_start_are_skipped_or_refused(tmp_path, caplog):
+    context = "Paris is the capital of France and has 2,100,000 inhabitants."
+    good = (context, "France", context.index("France"))
+    bad = (context, "France", 0)
+    path = tmp_path / "train-v1.1.json"
+    _squad_file(path, [good] * 199 + [bad])  # 1 of 200: 0.5%, under the 1% limit
+    with caplog.at_level("WARNING"):
+        records = read_split("squad_v1", path, training=True)
+    assert len(records) == 199 and "q199" not in {r["id"] for r in records}
+    assert "skipped 1 of 200 training questions" in caplog.text and "'q199'" in caplog.text
+    assert len(read_split("squad_v1", path)) == 200  # evaluation files are scored on texts only: not checked
+    _squad_file(path, [good] * 197 + [bad] * 3)  # 1.5%
+    err = _error("squad_v1", path, training=True)
+    assert err.column == "data[197].paragraphs[0].qas[0].answers[0].answer_start"
+    assert f"{path}: line {err.line}, column {err.column}: question 'q197': answer_start 0 holds 'Paris', not the " \
+           "answer 'France' (3 of 200 training answers miss their text, over the 1% " in str(err)
+    assert '"q197"' in path.read_text().splitlines()[err.line - 1]
+
+
+def test_token_tags_outside_the_files_iob_scheme(tmp_path):
+    path = tmp_path / "tok.jsonl"
+    rows = [{"tokens": ["New", "York"], "tags": ["B-LOC", "I-LOC"]}, {"tokens": ["in", "it"], "tags": ["O", "LOC"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    err = _error("token", path)
+    assert str(err) == (f"{path}: line 2, column 'tags': tag 'LOC' is outside the IOB scheme of the file's other "
+                        "tags (O, B-TYPE, I-TYPE, E-TYPE, S-TYPE; 'B-LOC' on line 1)")
+    # IOB1 (CoNLL-2003's original files: I- may start an entity) and IOBES are inside the scheme; so are files of
+    # plain tags without any prefix (part-of-speech tags), which are not entity tags at all.
+    for tags in (["I-LOC", "I-LOC"], ["S-LOC", "O"], ["NN", "VB"]):
+        path.write_text(json.dumps({"tokens": ["a", "b"], "tags": tags}) + "\n", encoding="utf-8")
+        assert read_split("token", path)[0]["tags"] == tags

@@ -1,0 +1,110 @@
+"""What a fine-tuning run is, by content: the model directory's hash over its weights, config and tokenizer files,
+the hashes of the data files, and the settings. Two runs are the same when these agree (the suite reuses a finished
+run only then), and a tokenizer is the model's when its vocabulary is the model's token by id, never just by size.
+
+* :func:`model_sha256`: sha256 over (file name, file sha256) of the directory's weight, config and tokenizer files.
+* :func:`check_vocabulary`: a ``--tokenizer`` other than the model's own against the model directory's vocabulary
+  (``vocab.txt``, else ``tokenizer.json``), and any tokenizer against ``config.vocab_size``: an id past the embedding
+  is an index error, or a silently wrong row on a GPU gather.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from bert_ds.data.tokenizer import read_vocab
+
+__all__ = ["MODEL_FILES", "WEIGHT_SUFFIXES", "file_sha256", "model_sha256", "model_vocabulary", "check_vocabulary"]
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+"""Weight files transformers loads (``model.safetensors``, sharded ``model-0000x-of-0000y.safetensors``,
+``pytorch_model.bin``), with the shard index (``*.index.json``) counted by :data:`MODEL_FILES`' pattern."""
+MODEL_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "tokenizer_meta.json")
+"""Config and tokenizer files that decide what the weights compute, beside the weights themselves. Fine-tuning
+outputs in the same directory (``finetune_metrics.json``, predictions) are not part of the model."""
+
+
+def file_sha256(path: str | Path) -> str:
+    return _cached_sha256(*_stat_key(Path(path)))
+
+
+def _stat_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+@lru_cache(maxsize=256)
+def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
+    # Keyed on size and mtime too: a suite hashes its start model once per run, and BERT-large's weights are 1.3 GB.
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_sha256(directory: str | Path) -> str:
+    """Hash of a model directory's content: sha256 over ``name sha256`` lines (sorted) of its weight files and the
+    config and tokenizer files it has. A directory without weights is refused (it is not a model)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such model directory")
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and (
+        p.name in MODEL_FILES or p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(".index.json")))
+    if not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
+        raise ValueError(f"{directory}: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) to identify "
+                         "the model by")
+    lines = "".join(f"{name} {file_sha256(directory / name)}\n" for name in names)
+    return hashlib.sha256(lines.encode("utf-8")).hexdigest()
+
+
+def model_vocabulary(directory: str | Path) -> tuple[list[str | None], Path] | None:
+    """(token per id, the file read) of a model directory's own vocabulary: ``vocab.txt`` (a token's id is its line,
+    ``bert_ds.data.tokenizer.read_vocab``), else ``tokenizer.json``'s model vocabulary plus its added tokens (an id
+    neither names is None); None when the directory has neither."""
+    directory = Path(directory)
+    if (directory / "vocab.txt").is_file():
+        return list(read_vocab(directory / "vocab.txt")), directory / "vocab.txt"
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    by_id = {int(i): t for t, i in (spec.get("model", {}).get("vocab") or {}).items()}
+    by_id.update({int(a["id"]): a["content"] for a in spec.get("added_tokens", [])})
+    return [by_id.get(i) for i in range(max(by_id) + 1 if by_id else 0)], path
+
+
+def _tokens_by_id(tokenizer) -> list[str | None]:
+    vocab = tokenizer.get_vocab()
+    tokens: list[str | None] = [None] * (max(vocab.values()) + 1 if vocab else 0)
+    for token, i in vocab.items():
+        tokens[i] = token
+    return tokens
+
+
+def check_vocabulary(model_dir: str | Path, tokenizer, tokenizer_dir: str | Path | None,
+                     config_vocab_size: int) -> None:
+    """Refuse (ValueError, one line) a ``tokenizer_dir`` other than ``model_dir`` whose vocabulary differs from the
+    model directory's own, naming the first id that differs (or the sizes), and any tokenizer with more ids than the
+    model's ``config.vocab_size`` embedding rows. A tokenizer with fewer ids than rows is fine (a vocabulary padded to
+    a multiple of 8 for the GPU)."""
+    model_dir = Path(model_dir)
+    name = Path(tokenizer_dir) if tokenizer_dir is not None else model_dir
+    ids = _tokens_by_id(tokenizer)
+    own = model_vocabulary(model_dir)
+    if tokenizer_dir is not None and name.resolve() != model_dir.resolve() and own is not None:
+        tokens, source = own
+        for i, (a, b) in enumerate(zip(tokens, ids, strict=False)):
+            if a != b:
+                raise ValueError(f"--tokenizer {name} is not the model's vocabulary: id {i}: {a!r} in {source} but "
+                                 f"{b!r} in {name}; fine-tune with the model's own tokenizer")
+        if len(tokens) != len(ids):
+            raise ValueError(f"--tokenizer {name} is not the model's vocabulary: {len(ids)} tokens in {name} but "
+                             f"{len(tokens)} in {source} (ids 0-{min(len(ids), len(tokens)) - 1} agree)")
+    if len(ids) > config_vocab_size:
+        raise ValueError(f"tokenizer {name}: {len(ids)} tokens, but {model_dir}'s config.vocab_size is "
+                         f"{config_vocab_size}: ids {config_vocab_size}-{len(ids) - 1} have no embedding row")
