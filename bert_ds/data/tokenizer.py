@@ -49,7 +49,8 @@ from bert_ds.data.text import (
 
 __all__ = [
     "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "read_vocab", "read_lowercase", "vocab_sha256",
-    "tokens_sha256", "continuation_table", "train_tokenizer", "load_tokenizer", "main",
+    "tokens_sha256", "directory_vocabulary", "vocabulary_difference", "continuation_table", "train_tokenizer",
+    "load_tokenizer", "main",
 ]
 
 # [PAD] first so that its id is 0, as in Google's vocabularies and BertConfig.pad_token_id.
@@ -100,6 +101,38 @@ def tokens_sha256(tokens: Sequence[str]) -> str:
 def vocab_sha256(vocab_file: str | Path) -> str:
     """Hash of the tokens of a ``vocab.txt`` (read by :func:`read_vocab`, so CRLF and LF files hash alike)."""
     return tokens_sha256(read_vocab(vocab_file))
+
+
+def directory_vocabulary(directory: str | Path) -> tuple[list[str | None], Path] | None:
+    """(token per id, the file read) of the vocabulary a model or tokenizer directory carries: ``vocab.txt``
+    (:func:`read_vocab`), else a Hugging Face ``tokenizer.json``'s model vocabulary plus its added tokens (an id
+    neither names is None); None when the directory has neither."""
+    directory = Path(directory)
+    if (directory / VOCAB_NAME).is_file():
+        return list(read_vocab(directory / VOCAB_NAME)), directory / VOCAB_NAME
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        by_id = {int(i): t for t, i in ((spec.get("model") or {}).get("vocab") or {}).items()}
+        by_id.update({int(a["id"]): a["content"] for a in spec.get("added_tokens") or []})
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise ValueError(f"{path}: not a tokenizer.json with a token -> id vocabulary ({exc})") from exc
+    return [by_id.get(i) for i in range(max(by_id) + 1 if by_id else 0)], path
+
+
+def vocabulary_difference(ours: Sequence[str | None], theirs: Sequence[str | None], ours_name: str,
+                          theirs_name: str) -> str | None:
+    """None when the two vocabularies are the same token for every id; else one phrase naming the first id that
+    differs (``id 1997: 'the' in A but 'of' in B``) or, when one extends the other, the sizes."""
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return f"id {i}: {a!r} in {ours_name} but {b!r} in {theirs_name}"
+    if len(ours) != len(theirs):
+        return (f"{len(ours)} tokens in {ours_name} but {len(theirs)} in {theirs_name} (ids 0-"
+                f"{min(len(ours), len(theirs)) - 1} agree)")
+    return None
 
 
 def continuation_table(tokens: Sequence[str]) -> np.ndarray:

@@ -159,8 +159,8 @@ def _selected_phases(args: argparse.Namespace, recipe: Recipe) -> list[int]:
     return list(range(n)) if args.phase == "all" else [int(args.phase) - 1]
 
 
-def _model_config(args: argparse.Namespace, recipe: Recipe, vocab_size: int) -> BertConfig:
-    config = recipe.model_config(vocab_size)
+def _model_config(args: argparse.Namespace, recipe: Recipe, tokenizer) -> BertConfig:
+    config = recipe.model_config(tokenizer.vocab_size)
     if not args.init_from_hf:
         return config
     from bert_ds.export.hf import bert_config_from_hf
@@ -169,10 +169,31 @@ def _model_config(args: argparse.Namespace, recipe: Recipe, vocab_size: int) -> 
     hf_config = bert_config_from_hf(args.init_from_hf, config.pad_vocab_to_multiple_of,
                                     hidden_dropout_prob=config.hidden_dropout_prob,
                                     attention_probs_dropout_prob=config.attention_probs_dropout_prob)
-    if hf_config.vocab_size != vocab_size:
+    if hf_config.vocab_size != tokenizer.vocab_size:
         raise ValueError(f"--init-from-hf {args.init_from_hf}: field 'vocab_size' is {hf_config.vocab_size} but the "
-                         f"tokenizer/shards have {vocab_size}")
+                         f"tokenizer/shards have {tokenizer.vocab_size}")
+    _check_init_vocabulary(args, tokenizer)
     return hf_config
+
+
+def _check_init_vocabulary(args: argparse.Namespace, tokenizer) -> None:
+    """The checkpoint's embedding row ``i`` is the token its own vocabulary puts at id ``i``: it must be the token
+    ``--tokenizer`` (and so the shards) put there, or training starts from rows that mean other words. The same size
+    is not enough: a tokenizer trained on one's own corpus at BERT's 30,522 has other ids than the hub's."""
+    from bert_ds.data.tokenizer import directory_vocabulary, vocabulary_difference
+
+    where = f"--init-from-hf {args.init_from_hf}"
+    own = directory_vocabulary(args.init_from_hf)
+    if own is None:
+        raise ValueError(f"{where}: no vocab.txt or tokenizer.json, so nothing shows that its token ids mean what "
+                         f"--tokenizer {args.tokenizer}'s do; put the vocabulary it was trained with beside its "
+                         f"config.json")
+    tokens, source = own
+    difference = vocabulary_difference(tokens, tokenizer.vocab, str(source), str(tokenizer.vocab_file))
+    if difference:
+        raise ValueError(f"{where}: its vocabulary is not --tokenizer {args.tokenizer}'s ({difference}): its "
+                         f"embeddings would be read as other words. Pre-train with the checkpoint's own tokenizer "
+                         f"(make the shards with it) or start from scratch")
 
 
 def _check_shards(recipe: Recipe, phases: list[int], dirs_by_flag: dict[str, dict[int, str]], world_size: int,
@@ -249,9 +270,11 @@ def _check_run_matches(ckpt_dir: Path, tag: str, args: argparse.Namespace, token
     where = f"--resume auto: checkpoint {ckpt_dir / tag}"
     saved_sha, saved_lower = ckpt.trained_vocabulary(ckpt_dir, tag)
     if saved_sha is not None and saved_sha != tokenizer.vocab_sha256:
+        first = _first_id_differing(ckpt_dir, saved_sha, tokenizer)
         raise ValueError(f"{where} was trained with vocabulary sha256 {saved_sha[:16]}... but --tokenizer "
-                         f"{args.tokenizer} has {tokenizer.vocab_sha256[:16]}...: resuming would train the old "
-                         f"weights on other token ids. Use the original tokenizer or a new --output")
+                         f"{args.tokenizer} has {tokenizer.vocab_sha256[:16]}...{first}: "
+                         f"resuming would train the old weights on other token ids. Use the original tokenizer or a "
+                         f"new --output")
     if saved_lower is not None and saved_lower != tokenizer.lowercase:
         raise ValueError(f"{where} was trained {_casing(saved_lower)} (lowercase={saved_lower}) but --tokenizer "
                          f"{args.tokenizer} is {_casing(tokenizer.lowercase)}. Use the original tokenizer or a new "
@@ -265,6 +288,21 @@ def _check_run_matches(ckpt_dir: Path, tag: str, args: argparse.Namespace, token
             raise ValueError(f"{where}: {ckpt_dir / ckpt.MODEL_CONFIG_NAME} field {field!r} is "
                              f"{saved_cfg.get(field)!r} but this run's model has {model_config.to_dict().get(field)!r}"
                              f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
+
+
+def _first_id_differing(ckpt_dir: Path, trained_sha: str, tokenizer) -> str:
+    """`` (id N: ...)`` naming the first id where ``tokenizer`` differs from the vocabulary the checkpoint was trained
+    with, read from the copy beside the tags when that copy is the trained one (its sha256 matches); else empty."""
+    from bert_ds.data.tokenizer import read_vocab, tokens_sha256, vocabulary_difference
+
+    copy = ckpt_dir / ckpt.TOKENIZER_DIR_NAME / "vocab.txt"
+    try:
+        trained = read_vocab(copy)
+    except (OSError, ValueError):
+        return ""
+    if tokens_sha256(trained) != trained_sha:
+        return ""
+    return f" ({vocabulary_difference(trained, tokenizer.vocab, str(copy), str(tokenizer.vocab_file))})"
 
 
 def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> tuple[str, tuple[str, ...]]:
@@ -359,7 +397,7 @@ def plan_run(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: in
     tokenizer = load_tokenizer(args.tokenizer)
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
     check_optimizer_support(recipe, precision)  # refusals name the recipe fields
-    model_config = _model_config(args, recipe, tokenizer.vocab_size)
+    model_config = _model_config(args, recipe, tokenizer)
     _check_shards(recipe, phases, {"--data": data, "--eval-data": eval_data}, world_size, tokenizer.vocab_sha256,
                   tokenizer.vocab_size, args.verify_shards, tokenizer.lowercase, args.tokenizer)
     run_dir = Path(args.output)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,8 @@ def _masked_lm_dir(path, source=None):
         assert not unexpected and set(missing) <= {"embeddings.position_ids"}, (missing, unexpected)
     model.config.architectures = ["BertForMaskedLM"]
     model.save_pretrained(path)
+    if source is not None:  # a hub save carries its tokenizer: --init-from-hf compares it with --tokenizer
+        shutil.copyfile(source / "vocab.txt", path / "vocab.txt")
     return path
 
 
@@ -124,6 +127,33 @@ def test_refuses_task_heads_and_other_models(tmp_path):
     save_file(state, hf_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ExportError, match="incomplete head group.*MLM transform"):
         load_hf_pretrained(hf_dir)
+
+
+@needs_minilm
+def test_hub_vocabulary_with_two_words_swapped_is_refused(tmp_path):
+    """Same size, other ids: the hub vocabulary with 'the' and 'of' swapped is refused naming the first id, in
+    pre-flight (in-process), before any shard is read."""
+    import argparse
+
+    from bert_ds.data.tokenizer import load_tokenizer, read_vocab
+    from bert_ds.runtime.preflight import _check_init_vocabulary
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    shutil.copyfile(MINILM / "config.json", hub / "config.json")
+    tokens = read_vocab(MINILM / "vocab.txt")
+    the, of = tokens.index("the"), tokens.index("of")
+    tokens[the], tokens[of] = tokens[of], tokens[the]
+    (hub / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    tokenizer = load_tokenizer(MINILM)
+    args = argparse.Namespace(init_from_hf=str(hub), tokenizer=str(MINILM))
+    with pytest.raises(ValueError, match=rf"its vocabulary is not --tokenizer .*'s \(id {min(the, of)}: "):
+        _check_init_vocabulary(args, tokenizer)
+    shutil.copyfile(MINILM / "vocab.txt", hub / "vocab.txt")
+    _check_init_vocabulary(args, tokenizer)  # the hub's own vocabulary passes
+    (hub / "vocab.txt").unlink()
+    shutil.copyfile(MINILM / "tokenizer.json", hub / "tokenizer.json")
+    _check_init_vocabulary(args, tokenizer)  # so does its tokenizer.json alone
 
 
 @pytest.mark.slow

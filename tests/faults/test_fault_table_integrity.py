@@ -330,6 +330,30 @@ def check_retention_after_fallback(ctx: Ctx, out: Outcome) -> str:
             "step 4 bit-identical to the uninterrupted run")
 
 
+# ---- issue 21 item 5: --init-from-hf compares vocabulary identity, not size -------------------------------------
+
+def init_from_hf_other_vocabulary(ctx: Ctx) -> Launch:
+    """A fresh run from an export of the trained run, with a tokenizer of the same size whose ids 200/201 are swapped
+    (and shards made with it): the realistic case is a tokenizer trained on one's own corpus at the hub's size."""
+    from bert_ds.data.tokenizer import vocab_sha256
+
+    tok = _swapped_vocab_tokenizer(ctx)
+    sha = vocab_sha256(tok / "vocab.txt")
+    data = (_relabelled_shards(ctx, "s128", vocab_sha256=sha), _relabelled_shards(ctx, "s512", vocab_sha256=sha))
+    hf = ctx.request.getfixturevalue("trained_export")
+    ctx.culprit = str(hf / "vocab.txt")
+    return Launch(rank_command(2, ctx.args("--init-from-hf", str(hf), data=data, tokenizer=tok)))
+
+
+def init_from_hf_without_vocabulary(ctx: Ctx) -> Launch:
+    hf = ctx.tmp / "hf-weights-only"
+    shutil.copytree(ctx.request.getfixturevalue("trained_export"), hf)
+    for name in ("vocab.txt", "tokenizer.json"):
+        (hf / name).unlink(missing_ok=True)
+    ctx.culprit = str(hf)
+    return Launch(rank_command(2, ctx.args("--init-from-hf", str(hf))))
+
+
 # ---- item 7: a reader against pruning -------------------------------------------------------------------------------
 
 def convert_while_training_prunes(ctx: Ctx) -> Launch:
@@ -373,7 +397,8 @@ CASES = [
     Case("resume-other-tokenizer-same-size", "1", "--resume auto with another tokenizer of the same size (and shards "
          "made with it)", resume_other_tokenizer, 2,
          r"checkpoint .*phase1-step000002 was trained with vocabulary sha256 \w+\.\.\. but --tokenizer "
-         r".*tokenizer2 has",
+         r".*tokenizer2 has \w+\.\.\. \(id 200: '.*' in .*checkpoints/tokenizer/vocab\.txt but '.*' in "
+         r".*tokenizer2/vocab\.txt\)",
          check_resume_other_tokenizer),
     Case("resume-other-shard-set", "1", "--resume auto with another phase-1 shard set, same tokenizer",
          resume_other_shard_set, 2, r"phase1-step000002: loader state: field '\w+' is .* but this loader has",
@@ -425,6 +450,13 @@ CASES = [
          "and saves step 4 (keep_last_k 2)", retention_after_fallback, 0,
          r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000003 is damaged \({culprit}: sha256",
          check_retention_after_fallback, first_line=WARNING_LINE),
+    Case("init-from-hf-other-vocabulary", "21.5", "--init-from-hf an export whose vocab.txt differs from --tokenizer "
+         "at ids 200/201 (same size; shards made with --tokenizer)", init_from_hf_other_vocabulary, 2,
+         r"--init-from-hf .*: its vocabulary is not --tokenizer .*tokenizer2's \(id 200: '.*' in {culprit} but '.*' "
+         r"in .*tokenizer2/vocab\.txt\)", _nothing_written),
+    Case("init-from-hf-without-vocabulary", "21.5", "--init-from-hf a weights-and-config directory (no vocab.txt, no "
+         "tokenizer.json)", init_from_hf_without_vocabulary, 2, r"--init-from-hf {culprit}: no vocab\.txt or "
+         r"tokenizer\.json, so nothing shows that its token ids mean", _nothing_written),
     Case("convert-while-training-prunes", "7", "a reader holds phase1-step000002 while training (keep_last_k 1) "
          "saves steps 3 and 4", convert_while_training_prunes, 0, r"checkpoint .*phase1-step000004",
          check_convert_while_training_prunes, first_line=r"checkpoint .*phase1-step000004"),
@@ -442,6 +474,16 @@ def trained_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path
     """The table's recipe stopped after 2 steps on 2 ranks (``phase1-step000002``)."""
     root = tmp_path_factory.mktemp("integrity_trained")
     return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "2")
+
+
+@pytest.fixture(scope="module")
+def trained_export(trained_run, tmp_path_factory) -> Path:
+    """The Hugging Face export of ``trained_run`` (vocab.txt and tokenizer.json included)."""
+    out = tmp_path_factory.mktemp("integrity_export") / "hf"
+    done = execute(Launch(tool_cmd("convert_checkpoint.py", ["--checkpoint", str(trained_run / "checkpoints"),
+                                                             "--out", str(out)])))
+    assert done.returncode == 0, done.text()[-4000:]
+    return out
 
 
 @pytest.fixture(scope="module")
