@@ -80,3 +80,35 @@ def test_build_engine_checks_the_version_first(monkeypatch):
     monkeypatch.setattr(deepspeed, "__version__", "0.16.0")
     with pytest.raises(ValueError, match="deepspeed 0.16.0 is installed"):
         build_engine(recipe=None, phase_index=0, model=None, world_size=1)
+
+
+def test_the_moot_warnings_are_still_raised_by_deepspeed_and_only_they_are_silenced(caplog):
+    """Each silenced message is still in the installed DeepSpeed's source (so the filter is not silently stale), and
+    after ``quiet_moot_warnings`` exactly those are dropped: another DeepSpeed warning and another FutureWarning still
+    show."""
+    import logging
+    import warnings
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import logger
+
+    source = inspect.getsource(DeepSpeedEngine._do_optimizer_sanity_check)
+    assert all(text in source for text in dsi.MOOT_LOG_MESSAGES), "DeepSpeed no longer logs it: drop the filter"
+    dsi.quiet_moot_warnings()
+    dsi.quiet_moot_warnings()  # idempotent: one filter
+    assert sum(isinstance(f, dsi._DropMessages) for f in logger.filters) == 1
+    logger.propagate, was = True, logger.propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("**** You are using ZeRO with an untested optimizer, proceed with caution *****")
+            logger.warning("a DeepSpeed warning that matters")
+    finally:
+        logger.propagate = was
+    assert {r.getMessage() for r in caplog.records} == {"a DeepSpeed warning that matters"}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        dsi.quiet_moot_warnings()
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning,
+                      stacklevel=1)
+        warnings.warn("another deprecation", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["another deprecation"]

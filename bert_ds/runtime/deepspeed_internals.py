@@ -11,7 +11,9 @@ resumes (:func:`recut_zero_partitions` re-cuts partitions that module has read).
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
 from dataclasses import dataclass
 
 import deepspeed
@@ -20,7 +22,8 @@ import torch
 
 __all__ = ["SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES", "ZERO_CHECKPOINT_KEYS", "ZERO_OPTIMIZER_ATTRIBUTES",
            "ZERO_OPTIMIZER_METHODS", "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version",
-           "is_elastic_zero_state", "is_zero3_optimizer", "recut_zero_partitions", "zero_partition_map", "zero_setup"]
+           "is_elastic_zero_state", "is_zero3_optimizer", "quiet_moot_warnings", "recut_zero_partitions",
+           "zero_partition_map", "zero_setup"]
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
 """Supported DeepSpeed releases: ``>= 0.19, < 0.20`` (the internals below are those of 0.19.x)."""
@@ -46,6 +49,40 @@ ZERO3_OPTIMIZER_ATTRIBUTES = ("fp32_partitioned_groups_flat",)
 
 ZERO_CHECKPOINT_KEYS = ("optimizer_state_dict", "base_optimizer_state")
 """Keys of DeepSpeed's ``zero_pp_rank_*_optim_states.pt`` files read on resume."""
+
+
+MOOT_LOG_MESSAGES = ("You are using ZeRO with an untested optimizer",)
+"""DeepSpeed log lines bert_ds drops: 0.19's ``DeepSpeedEngine._do_optimizer_sanity_check`` warns for every client
+optimizer outside its list (``zero/utils.py`` ``ZERO_SUPPORTED_OPTIMIZERS``) once ``zero_allow_untested_optimizer`` is
+set, which ZeroAwareLamb needs; bert_ds tests that setup against a float64 LAMB on real ZeRO 1/2 ranks
+(``tests/optim/test_lamb_engine.py``), so the line is noise around the ones that matter."""
+
+MOOT_FUTURE_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)
+"""torch FutureWarnings raised by DeepSpeed 0.19's own calls (its ZeRO 1/2 all-gather of the updated partitions), not
+by bert_ds: nothing a user can act on until DeepSpeed moves to the new collective."""
+
+
+class _DropMessages(logging.Filter):
+    """Drops records whose message contains one of ``texts``; every other record passes."""
+
+    def __init__(self, texts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in self.texts)
+
+
+def quiet_moot_warnings() -> None:
+    """Silence exactly :data:`MOOT_LOG_MESSAGES` (a filter on DeepSpeed's logger) and :data:`MOOT_FUTURE_WARNINGS`
+    (``warnings`` filters naming each message); every other warning still shows. Idempotent."""
+    from deepspeed.utils import logger
+
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(MOOT_LOG_MESSAGES))
+    for message in MOOT_FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def _supported_range() -> str:

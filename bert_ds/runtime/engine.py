@@ -19,7 +19,7 @@ from bert_ds.config import BertConfig
 from bert_ds.model import BertForPreTraining
 from bert_ds.optim import GlobalNormClip, bind_optimizer, build_optimizer, warmup_poly_decay
 from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
-from bert_ds.runtime.deepspeed_internals import check_deepspeed_version
+from bert_ds.runtime.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings
 
 __all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
            "own_stage0_clip", "resolve_precision"]
@@ -176,6 +176,7 @@ def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, wo
     clip = None
     if own_stage0_clip(recipe.deepspeed.zero_stage, precision):
         clip = GlobalNormClip(recipe.deepspeed.gradient_clipping).attach(optimizer)
+    quiet_moot_warnings()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     bind_optimizer(engine)
     return TrainEngine(engine=engine, scheduler=scheduler, ds_config=ds_config, precision=precision,
