@@ -4,20 +4,19 @@ run only then), and a tokenizer is the model's when its vocabulary is the model'
 
 * :func:`model_sha256`: sha256 over (file name, file sha256) of the directory's weight, config and tokenizer files.
 * :func:`check_vocabulary`: a ``--tokenizer`` other than the model's own against the model directory's vocabulary
-  (``vocab.txt``, else ``tokenizer.json``), and any tokenizer against ``config.vocab_size``: an id past the embedding
-  is an index error, or a silently wrong row on a GPU gather.
+  (``vocab.txt``, else ``tokenizer.json``: :func:`bert_ds.data.tokenizer.directory_vocabulary`), and any tokenizer
+  against ``config.vocab_size``: an id past the embedding is an index error, or a silently wrong row on a GPU gather.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from functools import lru_cache
 from pathlib import Path
 
-from bert_ds.data.tokenizer import read_vocab
+from bert_ds.data.tokenizer import directory_vocabulary, vocabulary_difference
 
-__all__ = ["MODEL_FILES", "WEIGHT_SUFFIXES", "file_sha256", "model_sha256", "model_vocabulary", "check_vocabulary"]
+__all__ = ["MODEL_FILES", "WEIGHT_SUFFIXES", "file_sha256", "model_sha256", "check_vocabulary"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 """Weight files transformers loads (``model.safetensors``, sharded ``model-0000x-of-0000y.safetensors``,
@@ -62,22 +61,6 @@ def model_sha256(directory: str | Path) -> str:
     return hashlib.sha256(lines.encode("utf-8")).hexdigest()
 
 
-def model_vocabulary(directory: str | Path) -> tuple[list[str | None], Path] | None:
-    """(token per id, the file read) of a model directory's own vocabulary: ``vocab.txt`` (a token's id is its line,
-    ``bert_ds.data.tokenizer.read_vocab``), else ``tokenizer.json``'s model vocabulary plus its added tokens (an id
-    neither names is None); None when the directory has neither."""
-    directory = Path(directory)
-    if (directory / "vocab.txt").is_file():
-        return list(read_vocab(directory / "vocab.txt")), directory / "vocab.txt"
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        return None
-    spec = json.loads(path.read_text(encoding="utf-8"))
-    by_id = {int(i): t for t, i in (spec.get("model", {}).get("vocab") or {}).items()}
-    by_id.update({int(a["id"]): a["content"] for a in spec.get("added_tokens", [])})
-    return [by_id.get(i) for i in range(max(by_id) + 1 if by_id else 0)], path
-
-
 def _tokens_by_id(tokenizer) -> list[str | None]:
     vocab = tokenizer.get_vocab()
     tokens: list[str | None] = [None] * (max(vocab.values()) + 1 if vocab else 0)
@@ -95,16 +78,13 @@ def check_vocabulary(model_dir: str | Path, tokenizer, tokenizer_dir: str | Path
     model_dir = Path(model_dir)
     name = Path(tokenizer_dir) if tokenizer_dir is not None else model_dir
     ids = _tokens_by_id(tokenizer)
-    own = model_vocabulary(model_dir)
+    own = directory_vocabulary(model_dir)
     if tokenizer_dir is not None and name.resolve() != model_dir.resolve() and own is not None:
         tokens, source = own
-        for i, (a, b) in enumerate(zip(tokens, ids, strict=False)):
-            if a != b:
-                raise ValueError(f"--tokenizer {name} is not the model's vocabulary: id {i}: {a!r} in {source} but "
-                                 f"{b!r} in {name}; fine-tune with the model's own tokenizer")
-        if len(tokens) != len(ids):
-            raise ValueError(f"--tokenizer {name} is not the model's vocabulary: {len(ids)} tokens in {name} but "
-                             f"{len(tokens)} in {source} (ids 0-{min(len(ids), len(tokens)) - 1} agree)")
+        difference = vocabulary_difference(tokens, ids, str(source), str(name))
+        if difference:
+            raise ValueError(f"--tokenizer {name} is not the model's vocabulary: {difference}; fine-tune with the "
+                             f"model's own tokenizer")
     if len(ids) > config_vocab_size:
         raise ValueError(f"tokenizer {name}: {len(ids)} tokens, but {model_dir}'s config.vocab_size is "
                          f"{config_vocab_size}: ids {config_vocab_size}-{len(ids) - 1} have no embedding row")

@@ -99,7 +99,7 @@ def test_tokenizer_vocabulary_is_compared_token_by_id(hub_bert, tmp_path):
         check_vocabulary(hub_bert, _fast_tokenizer(tmp_path / "swapped", swapped), tmp_path / "swapped", 30522)
     assert f"id 1996: 'the' in {hub_bert / 'vocab.txt'} but 'of' in {tmp_path / 'swapped'}" in str(info.value)
     longer = _fast_tokenizer(tmp_path / "longer", vocab + ["zzextra"])
-    with pytest.raises(ValueError, match=r"30523 tokens in .*longer but 30522 in .*vocab\.txt \(ids 0-30521 agree\)"):
+    with pytest.raises(ValueError, match=r"30522 tokens in .*vocab\.txt but 30523 in .*longer \(ids 0-30521 agree\)"):
         check_vocabulary(hub_bert, longer, tmp_path / "longer", 30523)
     # The model's own tokenizer (no --tokenizer) is only held to config.vocab_size; fewer ids than rows are fine.
     check_vocabulary(hub_bert, same, None, 30528)
