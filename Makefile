@@ -42,8 +42,9 @@ test: venv
 	fi
 	$(PY) -m pytest -q tests
 
+# The default tier: no process tree of ranks (tests/helpers/tiers.py), minutes on 2 cores.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not e2e and not slow and not slurm and not gpu" tests
 
 lint: venv
 	$(PY) -m ruff check .

@@ -18,7 +18,7 @@ from tests.helpers import HANG_GUARD_S, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "bert-ds-benchmark"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ def _run_demo(out: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=HANG_GUARD_S)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quick_demo_end_to_end_and_again(tmp_path):
     out = tmp_path / "demo"
     first = _run_demo(out)

@@ -327,7 +327,7 @@ def _uncommented(command: str) -> str:
     return re.sub(r"\s#.*$", "", command)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("block", _blocks_to_run())
 def test_block_runs_as_written(block, request, ran_blocks):
     root = run_block(block, request, ran_blocks)

@@ -51,8 +51,7 @@ from bert_ds.runtime.preflight import RunPlan, StartPoint, plan_run
 from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
-           "parse_args",
-           "train"]
+           "parse_args", "preflight", "train"]
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -146,6 +145,16 @@ def _check_output(output: str) -> None:
         raise ValueError(f"--output {output}: {existing} is on a read-only file system; name a writable run directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--output {output}: {existing} is not writable by this user; name a writable run directory")
+
+
+def preflight(argv: Sequence[str], rank: int = 0, world_size: int = 1) -> RunPlan:
+    """What ``main`` decides before any rank joins a process group or writes anything, as rank ``rank`` of
+    ``world_size``: the command line, ``--output``, the recipe and :func:`~bert_ds.runtime.preflight.plan_run`.
+    Raises what ``main`` turns into exit 2 (ValueError, FileNotFoundError; argparse's SystemExit(2) for the command
+    line), so a refusal can be tested in-process, without ranks."""
+    args = parse_args(argv)
+    _check_output(args.output)
+    return plan_run(args, load_recipe(args.recipe), rank, world_size)
 
 
 def train(args: argparse.Namespace) -> int:

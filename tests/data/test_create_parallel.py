@@ -4,10 +4,8 @@ own shard."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -49,10 +47,9 @@ def test_two_workers_write_the_same_shards(single_process, english_corpus, token
     _assert_same_set(single_process, tmp_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.mpi
 def test_mpirun_two_ranks_write_the_same_shards(single_process, english_corpus, tokenizer_dir, tmp_path):
-    if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("needs mpirun and mpi4py")
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     out = tmp_path / "mpi"
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from bert_ds.data.loader import build_loader
 from bert_ds.data.synthetic import sample_ids_of_batch, write_synthetic_shards
 from tests.helpers import free_port
@@ -38,6 +40,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_two_processes_gloo_exactly_once(tmp_path):
     data = tmp_path / "shards"
     write_synthetic_shards(data, num_samples=700, samples_per_shard=100, seq_len=64, max_predictions=10,

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.helpers.downstream_data import write_sst2
 from tests.helpers.hf_export import random_tiny_export
 from tests.helpers.ranks import REPO, rank_command, run_ranks
+
+pytestmark = pytest.mark.e2e
 
 
 def test_finetune_on_two_deepspeed_cpu_ranks(tokenizer_dir, corpus_documents, tmp_path):

@@ -45,6 +45,7 @@ def _assert_failed_cleanly(proc: subprocess.CompletedProcess, run: Path, lines_e
     assert ckpt.consolidated_state_dict(ckpt_dir, "phase1-step000001")  # the previous checkpoint still loads
 
 
+@pytest.mark.e2e
 def test_one_rank_cannot_write_its_partition(tmp_path, synthetic_data):
     recipe, run = _recipe(tmp_path / "r.json"), tmp_path / "run"
     args = ["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(run),
@@ -88,6 +89,7 @@ def _resume_filling_the_disk(args: list[str], mnt: Path, leave_bytes: int) -> su
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, "".join(stderr) + rest)
 
 
+@pytest.mark.e2e
 def test_full_filesystem(small_tmpfs, tmp_path, synthetic_data):
     """One rank, ZeRO 2, a 96 MB tmpfs. Pre-flight refuses a run with no room for one more checkpoint (nothing
     written); when the disk fills only after pre-flight, the save runs out of space mid-write and fails cleanly."""

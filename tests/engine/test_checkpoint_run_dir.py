@@ -65,6 +65,7 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path):
     lock.release()
 
 
+@pytest.mark.e2e
 def test_second_training_run_on_one_output_exits_2_before_compute(tmp_path, synthetic_data):
     from tests.helpers.runs import run_pretrain, write_recipe
 

@@ -4,18 +4,15 @@ with a distinct code and names the field."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from bert_ds.checkpoint import consolidated_state_dict
 from bert_ds.data.synthetic import write_synthetic_shards
-from bert_ds.runtime.pretrain import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
+from bert_ds.runtime.pretrain import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED, preflight
 from tests.helpers import HANG_GUARD_S
-from tests.helpers.runs import REPO, SMALL_RECIPE, run_pretrain, run_until_signalled, write_recipe
+from tests.helpers.runs import SMALL_RECIPE, run_pretrain, run_until_signalled, write_recipe
 
 
 def _fails(args, nprocs=1, code=EXIT_BAD_INPUT):
@@ -27,40 +24,50 @@ def _fails(args, nprocs=1, code=EXIT_BAD_INPUT):
     return proc.stdout + proc.stderr
 
 
+def _refused(args: list[str], world_size: int = 1) -> str:
+    """Pre-flight of ``bert_ds.runtime.pretrain`` in-process, as rank 0 of ``world_size`` (what ``main`` runs before
+    any rank joins a process group): the refusal ``main`` would print and turn into exit 2. The CLI's mapping of this
+    error to exit 2 on real ranks is tested by test_resume_with_different_recipe and the fault tables."""
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        preflight(args, rank=0, world_size=world_size)
+    return str(info.value)
+
+
 def test_recipe_typo(synthetic_data, tmp_path):
     bad = {**SMALL_RECIPE, "optimizer": {"name": "lamb", "weight_decya": 0.01}}
     recipe = write_recipe(tmp_path / "typo.json", base=bad)
-    out = _fails(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")])
+    out = _refused(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--tokenizer",
+                    str(synthetic_data[0].parent / "tokenizer"), "--output", str(tmp_path / "run")])
     assert "optimizer.weight_decya" in out and "typo.json" in out
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
 def test_batch_inconsistent_with_world_size(synthetic_data, tmp_path):
     phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
     phases[0].update(global_batch_size=2, micro_batch_size=2)  # fine on 1 rank, 2 x 2 ranks > 2 on two
     recipe = write_recipe(tmp_path / "r.json", phases=phases)
-    out = _fails(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")],
-                 nprocs=2)
+    args = ["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--tokenizer",
+            str(synthetic_data[0].parent / "tokenizer"), "--output", str(tmp_path / "run")]
+    preflight(args, rank=0, world_size=1)
+    out = _refused(args, world_size=2)
     assert "phases[0].global_batch_size=2 is not divisible by phases[0].micro_batch_size=2 x world size 2" in out
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()
 
 
-def test_tokenizer_is_required(synthetic_data, tmp_path):
+def test_tokenizer_is_required(synthetic_data, tmp_path, capsys):
     """Without it, export would later miss tokenizer/vocab.txt and dynamic masking would guess [MASK]'s id."""
-    proc = subprocess.run([sys.executable, "-m", "bert_ds.runtime.pretrain",
-                           "--recipe", str(write_recipe(tmp_path / "r.json")),
-                           "--data", *map(str, synthetic_data), "--output", str(tmp_path / "run")], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)
-    assert proc.returncode == EXIT_BAD_INPUT and "--tokenizer" in proc.stderr
+    with pytest.raises(SystemExit) as info:
+        preflight(["--recipe", str(write_recipe(tmp_path / "r.json")), "--data", *map(str, synthetic_data),
+                   "--output", str(tmp_path / "run")])
+    assert info.value.code == EXIT_BAD_INPUT and "--tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
 def test_shards_with_wrong_seq_len(synthetic_data, tmp_path):
     s128, s512 = synthetic_data
     recipe = write_recipe(tmp_path / "r.json")
-    out = _fails(["--recipe", str(recipe), "--data", str(s512), str(s128), "--output", str(tmp_path / "run")])
+    out = _refused(["--recipe", str(recipe), "--data", str(s512), str(s128), "--tokenizer",
+                    str(s128.parent / "tokenizer"), "--output", str(tmp_path / "run")])
     assert "field 'seq_len' is 512 but the run expects 128" in out and "phases[0]" in out
 
 
@@ -70,12 +77,12 @@ def test_shards_with_other_vocab(synthetic_data, tmp_path):
                            vocab_size=12000, seed=3, vocab_sha256="another-vocabulary", cls_id=2, sep_id=3,
                            mask_id=4)
     recipe = write_recipe(tmp_path / "r.json")
-    out = _fails(["--recipe", str(recipe), "--data", str(synthetic_data[0]), str(other),
-                  "--output", str(tmp_path / "run")])
+    out = _refused(["--recipe", str(recipe), "--data", str(synthetic_data[0]), str(other), "--tokenizer",
+                    str(synthetic_data[0].parent / "tokenizer"), "--output", str(tmp_path / "run")])
     assert "field 'vocab_sha256'" in out and "phases[1]" in out
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_resume_with_different_recipe(synthetic_data, tmp_path):
     run = tmp_path / "run"
     data = ["--data", *map(str, synthetic_data), "--output", str(run)]
@@ -89,7 +96,7 @@ def test_resume_with_different_recipe(synthetic_data, tmp_path):
     assert "--resume auto" in out
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("phase2_steps, interval", [(8, 1), (2, 0)], ids=["periodic-save", "phase-end"])
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(synthetic_data, tmp_path, phase2_steps, interval):
     """LAMB's trust ratio pinned at 1e20: phase 1 (lr 1e-25) moves the weights by ~1e-5, phase 2 (lr 1e20) makes
@@ -115,7 +122,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(synthetic_data, tmp
     assert all(torch.isfinite(t).all() for t in state.values())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigusr1_checkpoints_and_exits_with_preempted_code(synthetic_data, tmp_path):
     phases = json.loads(json.dumps(SMALL_RECIPE["phases"]))
     phases[0]["steps"] = 500

@@ -24,7 +24,7 @@ from bert_ds.optim import warmup_poly_decay
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO, run_pretrain, tensorboard_scalars, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 TINY_CPU = json.loads((REPO / "ds_configs" / "tiny_cpu.json").read_text())
 GLOBAL_BATCH = 4

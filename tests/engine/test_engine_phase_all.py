@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO, run_pretrain
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def _losses(stdout: str, phase: int) -> list[float]:

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers.runs import assert_close_params, run_pretrain, weights, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def _state(run, tag):

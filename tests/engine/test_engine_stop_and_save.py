@@ -15,7 +15,7 @@ from bert_ds.recipe import load_recipe
 from bert_ds.runtime.pretrain import EXIT_PREEMPTED
 from tests.helpers.runs import SMALL_RECIPE, run_pretrain, run_until_signalled, weights, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def _tags(run):

@@ -26,6 +26,7 @@ def _lock(root, age_s: float):
     return lock
 
 
+@pytest.mark.e2e
 def test_stale_lock_stops_a_real_start_naming_the_file(synthetic_data, tmp_path):
     lock = _lock(tmp_path / "ext", age_s=7200)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}

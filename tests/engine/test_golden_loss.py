@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.runs import tensorboard_scalars
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "losses" / "small_recipe_zero2_2ranks.json"
 RTOL = 5e-5

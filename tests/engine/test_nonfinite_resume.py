@@ -15,7 +15,7 @@ from bert_ds.evaluate import load_checkpoint_model
 from tests.helpers.faults import Launch, execute, fault_recipe
 from tests.helpers.ranks import rank_command
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ERROR = re.compile(r"^bert_ds\.runtime\.pretrain: error: (non-finite .*)$", re.M)
 

@@ -15,7 +15,7 @@ from bert_ds.optim import warmup_poly_decay
 from bert_ds.recipe import load_recipe
 from tests.helpers.runs import REPO, run_pretrain, tensorboard_scalars
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 CPU_ONLY = {"tiny_cpu", "demo_cpu", "demo_warmup_cpu"}  # run by the engine and demo tests already
 GPU_RECIPES = sorted(p for p in (REPO / "ds_configs").glob("*.json") if p.stem not in CPU_ONLY)

@@ -156,7 +156,7 @@ def test_hub_vocabulary_with_two_words_swapped_is_refused(tmp_path):
     _check_init_vocabulary(args, tokenizer)  # so does its tokenizer.json alone
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @needs_minilm
 @pytest.mark.parametrize("layout", ["BertModel", "BertForMaskedLM"])
 def test_continue_pretraining_from_hub_then_finetune(layout, english_corpus, tmp_path):

@@ -58,7 +58,7 @@ from tests.helpers.faults import (
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import assert_close_params, weights
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 LAUNCHER_EXIT = r"launch\.py:\d+:sigkill_handler\].*exits with return code"
 """The deepspeed launcher's line when a rank dies: it names the rank's command line (``--local_rank=N``)."""

@@ -43,7 +43,7 @@ from tests.helpers.faults import (
 )
 from tests.helpers.ranks import REPO, rank_command
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 

@@ -34,7 +34,7 @@ from tests.helpers.downstream_data import (
 )
 from tests.helpers.faults import ERROR_LINE, Launch, Outcome, execute, report_row, tree_bytes
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 FAST = ["--device", "cpu", "--epochs", "1", "--batch-size", "16", "--logging-steps", "1"]

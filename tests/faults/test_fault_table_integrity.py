@@ -39,7 +39,7 @@ from tests.helpers.faults import (
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import weights
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 WARNING_LINE = r"RESUMING FROM AN OLDER CHECKPOINT"
 

@@ -21,7 +21,7 @@ from tests.helpers.faults import FINAL_TAG, PHASE1_END, Launch, Trigger, execute
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import weights
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def _args(recipe: Path, shards_128: Path, shards_512: Path, tokenizer: Path, run: Path, *extra: str) -> list[str]:

@@ -109,7 +109,7 @@ def test_attention_dropout_is_live_and_follows_the_key(unpad, monkeypatch):
     assert with_dropout != other_key
 
 
-@pytest.mark.slow  # three pretrain processes with every kernel interpreted: ~1.5 min each on 2 busy CPU cores
+@pytest.mark.e2e  # three pretrain processes with every kernel interpreted: ~1.5 min each on 2 busy CPU cores
 def test_pretrain_stop_and_resume_is_exact_with_triton_attention_dropout(tmp_path, monkeypatch):
     """End to end through ``bert_ds.runtime.pretrain`` (real DeepSpeed, ZeRO-2, one CPU rank): recipe kernels
     ``triton`` under the interpreter, hidden and attention dropout 0.1, micro batch 1 of global 2 (accumulation).

@@ -166,6 +166,7 @@ def test_create_shards_script_needs_a_slurm_job():
     assert proc.returncode == 2 and "submit this with sbatch" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_unresolvable_master_addr_is_refused_at_once(tmp_path):
     """A rank told MASTER_ADDR=a host that does not resolve exits 2 naming it, instead of retrying the rendezvous for
     30 minutes (what a stale export or a leaked test variable did)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,31 +27,13 @@ from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.ranks import DEEPSPEED, PRETRAIN_SCRIPT, REPO
 from tests.helpers.runs import SMALL_RECIPE, run_pretrain, weights, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 FINAL_TAG = "phase2-step000002"  # SMALL_RECIPE: 4 steps of phase 1, 2 of phase 2
 
 
-def _slurm_up() -> bool:
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
-        return False
-    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    return proc.returncode == 0 and "idle" in proc.stdout
 
 
-def _mpi_available() -> bool:
-    if shutil.which("mpirun") is None:
-        return False
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_slurm = pytest.mark.skipif(not _slurm_up(), reason="no Slurm controller answers (CI starts one with "
-                                                         ".ci/start_slurm.sh)")
-needs_mpi = pytest.mark.skipif(not _mpi_available(), reason="needs Open MPI's mpirun and mpi4py (pip install .[mpi])")
 
 
 @dataclass(frozen=True)
@@ -154,7 +135,7 @@ def test_two_launchers_with_no_ssh_match_one_node(case, baseline, tmp_path):
     _assert_bit_identical(_final_weights(run), baseline, "two deepspeed --no_ssh launchers")
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_mpirun_matches_one_node(case, baseline, tmp_path):
     run, log = tmp_path / "run", tmp_path / "mpirun.log"
     # MASTER_PORT: DeepSpeed's MPI discovery would take 29500, which another job on this machine may hold.
@@ -164,7 +145,7 @@ def test_mpirun_matches_one_node(case, baseline, tmp_path):
     _assert_bit_identical(_final_weights(run), baseline, "mpirun -np 2")
 
 
-@needs_slurm
+@pytest.mark.slurm
 def test_srun_one_task_per_rank_matches_one_node(case, baseline, tmp_path):
     run = tmp_path / "run"
     env = _env(RECIPE=str(case.recipe), DATA128=str(case.data[0]), DATA512=str(case.data[1]),
@@ -174,7 +155,7 @@ def test_srun_one_task_per_rank_matches_one_node(case, baseline, tmp_path):
     _assert_bit_identical(_final_weights(run), baseline, "srun (slurm/pretrain_base.sh)")
 
 
-@needs_slurm
+@pytest.mark.slurm
 def test_deepspeed_launcher_from_a_slurm_hostfile_matches_one_node(case, baseline, tmp_path):
     """The deepspeed launcher under Slurm without ssh: a hostfile from the allocation, then srun one launcher per node,
     each told its line by SLURM_NODEID."""
@@ -204,8 +185,8 @@ srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash {shlex.quote(str(t
     _assert_bit_identical(_final_weights(run), baseline, "deepspeed --hostfile (from Slurm) --no_ssh under srun")
 
 
-@needs_slurm
-@needs_mpi
+@pytest.mark.slurm
+@pytest.mark.mpi
 def test_create_shards_sh_with_two_mpi_ranks_matches_one_process(english_corpus, tokenizer_dir, tmp_path):
     args = ["--input", str(english_corpus), "--tokenizer", str(tokenizer_dir), "--seq-len", "128", "--seed", "1234",
             "--dupe-factor", "1", "--samples-per-shard", "500"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.runs import REPO, SMALL_RECIPE, run_pretrain, weights, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 PHASE1_STEPS = 40
 FINAL_TAG = "phase2-step000002"
@@ -35,15 +34,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "PREEMPTED"}
 
 
-def _slurm_up() -> bool:
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
-        return False
-    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    return proc.returncode == 0 and "idle" in proc.stdout
 
-
-needs_slurm = pytest.mark.skipif(not _slurm_up(), reason="no Slurm controller answers (CI starts one with "
-                                                         ".ci/start_slurm.sh)")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +115,7 @@ def _preempted_at(out: str) -> int:
     return step
 
 
-@needs_slurm
+@pytest.mark.slurm
 def test_usr1_checkpoints_exits_75_requeues_and_resumes_exactly(job_inputs, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     proc = subprocess.run(["sbatch", "--parsable", *_sbatch_args(log)], env=_job_env(job_inputs, run),
@@ -149,7 +140,7 @@ def test_usr1_checkpoints_exits_75_requeues_and_resumes_exactly(job_inputs, tmp_
     _assert_bit_identical(run, job_inputs[3], "USR1 -> exit 75 -> scontrol requeue -> resume")
 
 
-@needs_slurm
+@pytest.mark.slurm
 # workers=1: the loader workers ignore the TERM Slurm sends every process of the step (worker init), so the rank
 # checkpoints instead of failing with "a DataLoader worker died".
 @pytest.mark.parametrize("workers", [0, 1])

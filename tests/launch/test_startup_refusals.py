@@ -12,6 +12,8 @@ from tests.helpers import HANG_GUARD_S, child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.e2e
+
 
 def _pretrain(tmp_path: Path, output: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "bert_ds.runtime.pretrain", "--recipe",

@@ -28,7 +28,7 @@ from tests.helpers.ranks import run_module_ranks as run_ranks
 from tests.helpers.recipe_engine_worker import MODEL_INPUTS
 from tests.helpers.runs import param_diffs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 STEPS = 6
 NOISE_FACTOR = 10.0

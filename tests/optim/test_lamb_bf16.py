@@ -43,7 +43,7 @@ import torch
 
 from tests.helpers.lamb_harness import launch_precision_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 STEPS = 12
 FP32 = "fp32-z2-decay_only"

@@ -28,7 +28,7 @@ import pytest
 
 from tests.helpers.lamb_harness import launch_engine_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 STEPS = 3
 U = 2.0**-24

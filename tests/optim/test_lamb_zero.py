@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.lamb_harness import launch, max_rel_diff, reference_lamb
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 STEPS = 20
 # fp32 training's own distance from the float64 reference after 20 steps is 1.0e-6 (ZeRO-0 included), sharded vs
