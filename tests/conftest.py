@@ -110,33 +110,18 @@ def pytest_runtest_setup(item):
                 pytest.skip(reason)
 
 
-@pytest.fixture(autouse=True)
-def _default_tier_launches_no_ranks(request):
-    """A test not marked ``e2e`` that starts ranks fails at that call, naming the command (``tests.helpers.tiers``):
-    the default tier stays one that runs in minutes. Patched by hand, not with ``monkeypatch``: a test's own
-    ``monkeypatch`` must still be undone before ``_no_launcher_variables_leak`` looks at the environment."""
-    if request.node.get_closest_marker("e2e") is not None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test not marked ``e2e`` that starts ranks -- in its body or in a fixture it sets up or tears down, whatever
+    the fixture's scope -- fails at that call, naming the command (``tests.helpers.tiers``): the default tier stays
+    one that runs in minutes."""
+    if item.get_closest_marker("e2e") is not None:
         yield
         return
-    import subprocess
+    from tests.helpers.tiers import refuse_rank_launches
 
-    from tests.helpers.tiers import rank_launch
-
-    original = subprocess.Popen
-
-    class _NoRanksPopen(original):
-        def __init__(self, args, *rest, **kwargs):
-            why = rank_launch(args, kwargs.get("env"))
-            if why is not None:
-                raise RuntimeError(f"{request.node.nodeid} is not marked e2e but starts {why}: {args!r}; mark it "
-                                   f"@pytest.mark.e2e (tests/helpers/tiers.py) or test the decision in-process")
-            super().__init__(args, *rest, **kwargs)
-
-    subprocess.Popen = _NoRanksPopen
-    try:
+    with refuse_rank_launches(item.nodeid):
         yield
-    finally:
-        subprocess.Popen = original
 
 
 @pytest.fixture(autouse=True)

@@ -288,3 +288,21 @@ def test_tools_do_not_import_tests():
     bad = {path.name: sorted(n for n in _imports_of(path) if _under(n, ("tests",)))
            for path in sorted((REPO / "tools").glob("*.py"))}
     assert {name: names for name, names in bad.items() if names} == {}
+
+
+MAX_FUNCTION_LINES = 60
+"""Issue 22: no function in bert_ds/ over 60 lines, counted from its ``def`` line to its last line (docstring
+included)."""
+
+
+def test_no_function_over_sixty_lines():
+    import ast
+
+    long = []
+    for path in sorted((REPO / "bert_ds").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

@@ -302,13 +302,82 @@ def _bert_pipeline(vocab: dict[str, int] | str | None, lowercase: bool) -> BertW
                                   lowercase=lowercase, wordpieces_prefix="##")
 
 
+@dataclass
+class _TrainingText:
+    """The texts a training pass reads (``iter_training_texts`` over the files, blank ones dropped), counting how many
+    it fed and, when asked, the characters the trainer sees (after its normaliser)."""
+
+    files: list[Path]
+    limits: TextLimits
+    input_format: str
+    lowercase: bool
+    fed: int = 0
+
+    def __post_init__(self) -> None:
+        self._normalize = _bert_pipeline(None, lowercase=self.lowercase).normalizer.normalize_str
+
+    def texts(self, counts: SkipCounts, characters: Counter[str] | None = None) -> Iterator[str]:
+        self.fed = 0
+        for text in iter_training_texts(self.files, self.limits, counts, self.input_format):
+            if text.strip():
+                self.fed += 1
+                if characters is not None:
+                    characters.update(self._normalize(text))
+                yield text
+
+    def train(self, seeds: list[str], size: int, counts: SkipCounts, *, min_frequency: int, limit: int,
+              alphabet: list[str] | None = None, characters: Counter[str] | None = None) -> BertWordPieceTokenizer:
+        """One pass of tokenizers' WordPiece trainer, ``seeds`` added right after the special tokens."""
+        tok = _bert_pipeline(None, lowercase=self.lowercase)
+        tok.train_from_iterator(self.texts(counts, characters), vocab_size=size, min_frequency=min_frequency,
+                                limit_alphabet=limit, initial_alphabet=alphabet or [],
+                                special_tokens=[*SPECIAL_TOKENS, *seeds], wordpieces_prefix="##", show_progress=False)
+        return tok
+
+
+def _seeds_and_alphabet(first: BertWordPieceTokenizer, characters: Counter[str],
+                        limit_alphabet: int) -> tuple[list[str], list[str] | None, int]:
+    """(continuation seeds, explicit alphabet or None, the alphabet limit for pass 2) from pass 1's vocabulary and the
+    characters counted while it ran.
+
+    Same text, same vocabulary, whatever the process. tokenizers' trainer leaves two choices to hash-map order: (a) the
+    ids of the "##c" continuation tokens, by which it also breaks ties between merges (huggingface/tokenizers#1794),
+    and (b) which characters it drops when the text has more than limit_alphabet of them and several share the cut-off
+    count (BpeTrainer::compute_alphabet sorts by count alone). So pass 1 (no merges, no alphabet limit) finds the
+    characters and continuation tokens; with too many characters the most frequent are kept, ties by code point, as an
+    explicit alphabet, kept whole (limit = its size: no tie left to break), and only the "##c" of kept characters
+    remain (the trainer makes "##c" for a kept c seen inside a word); pass 2 is seeded with them, sorted."""
+    continuation = sorted(t for t in first.get_vocab() if t.startswith("##") and len(t) == 3)
+    if sum(len(t) == 1 for t in first.get_vocab()) <= limit_alphabet:
+        return continuation, None, limit_alphabet
+    alphabet = sorted((c for c in characters if not c.isspace()), key=lambda c: (-characters[c], c))[:limit_alphabet]
+    kept = set(alphabet)
+    return [t for t in continuation if t[2:] in kept], alphabet, len(alphabet)
+
+
+def _write_trained(stage: Path, out: Path, tok: BertWordPieceTokenizer, seeds: list[str], lowercase: bool,
+                   limits: TextLimits, skipped: SkipCounts) -> None:
+    """vocab.txt, tokenizer.json (the seeds taken out of its added tokens: they are ordinary WordPiece entries) and
+    tokenizer_meta.json into ``stage``. Written by Python, not by tokenizers' Rust save (whose failures, a full disk
+    among them, surface as a bare Exception): an OSError names the file and is reported as one line with exit 2."""
+    by_id = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    _write_text(stage / VOCAB_NAME, "".join(f"{token}\n" for token, _ in by_id), out)
+    _write_text(stage / "tokenizer.json", _without_added(tok.to_str(), seeds), out)
+    meta = {"lowercase": lowercase,
+            "limits": {"max_document_bytes": limits.max_document_bytes,
+                       "max_sentence_chars": limits.max_sentence_chars},
+            "skipped": {"long_lines": skipped.long_lines, "long_sentences": skipped.long_sentences}}
+    _write_text(stage / META_NAME, json.dumps(meta) + "\n", out)
+
+
 def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_size: int = 30522, cased: bool = False,
                     *, min_frequency: int = 2, limit_alphabet: int = 1000,
                     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
                     max_sentence_chars: int = DEFAULT_MAX_SENTENCE_CHARS, overwrite: bool = False,
                     input_format: str = "auto") -> Path:
     """Train a BERT WordPiece vocabulary on text files or directories, in any of ``text.INPUT_FORMATS`` (``auto``
-    detects each file's: BERT layout, JSON lines, WikiExtractor output, Parquet).
+    detects each file's: BERT layout, JSON lines, WikiExtractor output, Parquet), reproducibly
+    (:func:`_seeds_and_alphabet`: two passes).
 
     Writes ``vocab.txt``, ``tokenizer.json`` and ``tokenizer_meta.json`` (the casing, the ``text.TextLimits`` and
     what they skipped) into ``out_dir`` and returns ``out_dir``. The files are written into a new directory beside
@@ -323,68 +392,21 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
         detect_format(path, input_format)
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
+    text = _TrainingText(files, limits, input_format, lowercase=not cased)
     skipped = SkipCounts()
-    fed = 0
-    normalize = _bert_pipeline(None, lowercase=not cased).normalizer.normalize_str
-
-    def texts(counts: SkipCounts, characters: Counter[str] | None = None) -> Iterator[str]:
-        nonlocal fed
-        for text in iter_training_texts(files, limits, counts, input_format):
-            if text.strip():
-                fed += 1
-                if characters is not None:  # what the trainer counts: characters after its normalizer
-                    characters.update(normalize(text))
-                yield text
-
-    def train(extra: list[str], size: int, counts: SkipCounts, limit: int, alphabet: list[str] | None = None,
-              characters: Counter[str] | None = None) -> BertWordPieceTokenizer:
-        tok = _bert_pipeline(None, lowercase=not cased)
-        tok.train_from_iterator(texts(counts, characters), vocab_size=size, min_frequency=min_frequency,
-                                limit_alphabet=limit, initial_alphabet=alphabet or [],
-                                special_tokens=[*SPECIAL_TOKENS, *extra], wordpieces_prefix="##", show_progress=False)
-        return tok
-
-    def continuation_tokens(tok: BertWordPieceTokenizer) -> list[str]:
-        return sorted(t for t in tok.get_vocab() if t.startswith("##") and len(t) == 3)
-
     with _staging_dir(out) as stage:
-        # Same text, same vocabulary, whatever the process. tokenizers' trainer leaves two choices to hash-map order:
-        # (a) the ids of the "##c" continuation tokens, by which it also breaks ties between merges
-        # (huggingface/tokenizers#1794), and (b) which characters it drops when the text has more than limit_alphabet
-        # of them and several share the cut-off count (BpeTrainer::compute_alphabet sorts by count alone). So:
-        # pass 1 (no merges, no alphabet limit) finds the characters and continuation tokens, and bert_ds counts the
-        # characters as it goes; if there are too many, it keeps the most frequent, ties by code point, as an explicit
-        # alphabet; pass 2 is seeded with the continuation tokens, sorted, right after the special tokens. The seeds
-        # are ordinary WordPiece entries of the result: taken out of the added tokens below.
         characters: Counter[str] = Counter()
-        first = train([], len(SPECIAL_TOKENS) + 1, SkipCounts(), limit=2**32, characters=characters)  # no limit
-        limit, alphabet = limit_alphabet, None
-        continuation = continuation_tokens(first)
-        if sum(len(t) == 1 for t in first.get_vocab()) > limit_alphabet:
-            # An explicit alphabet is kept whole (limit = its size): the trainer has no tie left to break. Its "##c"
-            # are those of pass 1 whose character it keeps (the trainer makes "##c" for a kept c seen inside a word).
-            alphabet = sorted((c for c in characters if not c.isspace()), key=lambda c: (-characters[c], c))
-            alphabet = alphabet[:limit_alphabet]
-            limit = len(alphabet)
-            kept = set(alphabet)
-            continuation = [t for t in continuation if t[2:] in kept]
-        fed = 0
-        tok = train(continuation, vocab_size, skipped, limit, alphabet)
-        if fed == 0 or tok.get_vocab_size() <= len(SPECIAL_TOKENS):
+        first = text.train([], len(SPECIAL_TOKENS) + 1, SkipCounts(), min_frequency=min_frequency, limit=2**32,
+                           characters=characters)
+        seeds, alphabet, limit = _seeds_and_alphabet(first, characters, limit_alphabet)
+        tok = text.train(seeds, vocab_size, skipped, min_frequency=min_frequency, limit=limit, alphabet=alphabet)
+        if text.fed == 0 or tok.get_vocab_size() <= len(SPECIAL_TOKENS):
             note = (f" ({skipped.long_lines} line(s) over max_document_bytes={max_document_bytes} and "
                     f"{skipped.long_sentences} over max_sentence_chars={max_sentence_chars} skipped)"
                     if skipped.long_lines or skipped.long_sentences else "")
             raise ValueError(f"no text to train a tokenizer on in {', '.join(str(f) for f in files[:5])}"
                              f"{', ...' if len(files) > 5 else ''}{note}")
-        # Written by Python, not by tokenizers' Rust save (whose failures, a full disk among them, surface as a bare
-        # Exception): an OSError names the file and is reported as one line with exit 2.
-        by_id = sorted(tok.get_vocab().items(), key=lambda item: item[1])
-        _write_text(stage / VOCAB_NAME, "".join(f"{token}\n" for token, _ in by_id), out)
-        _write_text(stage / "tokenizer.json", _without_added(tok.to_str(), continuation), out)
-        meta = {"lowercase": not cased,
-                "limits": {"max_document_bytes": max_document_bytes, "max_sentence_chars": max_sentence_chars},
-                "skipped": {"long_lines": skipped.long_lines, "long_sentences": skipped.long_sentences}}
-        _write_text(stage / META_NAME, json.dumps(meta) + "\n", out)
+        _write_trained(stage, out, tok, seeds, not cased, limits, skipped)
         _install(stage, out)
     return out
 

@@ -325,6 +325,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@torch.no_grad()
+def _master_step(named: list, masters: list, optimizer) -> None:
+    """The optimizer step on fp32 master weights: gradients into the masters (bf16 models), step, weights back."""
+    for (_, p), m in zip(named, masters, strict=True):
+        if m is not p:
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for (_, p), m in zip(named, masters, strict=True):
+        if m is not p:
+            p.copy_(m)
+
+
 def measure_training(config: BertConfig, seq: int, batch: int, device: torch.device, dtype: torch.dtype,
                      kernel_backend: str, steps: int = 10, warmup: int = 3, lr: float = 1e-3,
                      peak_tflops: float | None = None) -> dict:
@@ -342,10 +356,7 @@ def measure_training(config: BertConfig, seq: int, batch: int, device: torch.dev
     torch.manual_seed(0)
     model = BertForPreTraining(config, kernels=kernel_backend).to(device=device, dtype=dtype).train()
     named = list(model.named_parameters())
-    if dtype == torch.float32:
-        masters = [p for _, p in named]
-    else:
-        masters = [p.detach().float().clone() for _, p in named]
+    masters = [p for _, p in named] if dtype == torch.float32 else [p.detach().float().clone() for _, p in named]
     groups = [{"params": [m for (n, p), m in zip(named, masters, strict=True) if not no_decay(n, p)],
                "weight_decay": 0.01},
               {"params": [m for (n, p), m in zip(named, masters, strict=True) if no_decay(n, p)], "weight_decay": 0.0}]
@@ -360,16 +371,7 @@ def measure_training(config: BertConfig, seq: int, batch: int, device: torch.dev
         loss.backward()
         _sync(device)
         t1 = time.perf_counter()
-        with torch.no_grad():
-            for (_, p), m in zip(named, masters, strict=True):
-                if m is not p:
-                    m.grad = None if p.grad is None else p.grad.float()
-                    p.grad = None
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            for (_, p), m in zip(named, masters, strict=True):
-                if m is not p:
-                    p.copy_(m)
+        _master_step(named, masters, optimizer)
         _sync(device)
         t2 = time.perf_counter()
         losses.append(loss.detach())

@@ -501,6 +501,68 @@ def _qa_evaluate(trainer, args: FinetuneArgs, tokenizer, records: list[dict]) ->
     return {k: float(v) for k, v in scores.items()}, predictions
 
 
+def _encode_splits(args: FinetuneArgs, files: dict[str, Path], records: dict[str, list[dict]], tokenizer,
+                   labels: list[str] | None) -> tuple[list[dict], dict[str, list[dict]], int]:
+    """(training features, encoded evaluation splits, examples truncated). QA windows its training questions here and
+    its evaluation questions at scoring time; every other shape encodes each split, and an evaluation split must be
+    labelled."""
+    spec = args.spec
+    if spec.shape == "qa":
+        return qa.train_features(tokenizer, records["train"], args.max_seq_length, args.doc_stride,
+                                 args.max_query_length), {}, 0
+    label2id = {name: i for i, name in enumerate(labels)} if labels else {}
+    encoded, truncated = {}, 0
+    for split in files:
+        encoded[split], n = _ENCODERS[spec.shape](records[split], tokenizer, args, label2id, files[split])
+        truncated += n
+    for split in (s for s in files if s != "train"):
+        if any("labels" not in ex for ex in encoded[split]):
+            raise ValueError(f"{files[split]}: no labels (a test file?); evaluation needs a labelled file")
+    return encoded["train"], encoded, truncated
+
+
+def _train_and_score(trainer, args: FinetuneArgs, tokenizer, labels, records, train, encoded, eval_names) -> dict:
+    """Score before training (where Trainer can), train, score after, with the majority baseline; returns the parts
+    of the metrics file that come from training."""
+    spec = args.spec
+    before, after, baseline, predictions = {}, {}, {}, {}
+    # Before training Trainer runs DeepSpeed only as ZeRO-3 inference; under other stages that score is skipped.
+    if spec.shape != "qa" and args.deepspeed is None:
+        for split in eval_names:
+            before[split] = _evaluate(trainer, spec, labels, encoded[split])
+    result = trainer.train()
+    for split in eval_names:
+        if spec.shape == "qa":
+            after[split], predictions[split] = _qa_evaluate(trainer, args, tokenizer, records[split])
+        else:
+            after[split] = _evaluate(trainer, spec, labels, encoded[split])
+            baseline[split] = majority_baseline(spec, labels, train, encoded[split])
+    first = eval_names[0] if eval_names else None
+    return {"steps": result.global_step, "train_loss": result.training_loss,
+            "train_loss_log": [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history
+                               if "loss" in e],
+            "eval": after, "eval_before": before, "baseline": baseline,
+            "before": before.get(first), "after": after.get(first),
+            "majority_accuracy": baseline[first]["majority_accuracy"] if first in baseline else None,
+            "predictions": predictions}
+
+
+def _publish(trainer, work: Path, out: Path, metrics: dict, predictions: dict) -> None:
+    """Save the model, metrics and predictions into ``work`` and rename it to ``out`` (the main process); other ranks
+    drop their copy."""
+    trainer.save_model(str(work))  # every rank calls it (ZeRO-3 gathers the weights); the main process writes
+    if not trainer.is_world_process_zero():
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    (work / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n")
+    if predictions:
+        (work / PREDICTIONS_NAME).write_text(json.dumps(predictions, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()  # empty (checked before training); rename cannot replace a directory
+    apply_umask(work)  # mkdtemp's 0700 and safetensors' 0600 otherwise
+    work.rename(out)
+
+
 def finetune(args: FinetuneArgs) -> dict:
     """Fine-tune ``args.model`` on the task's training split; write the model, tokenizer and metrics JSON to
     ``args.out`` (atomically: a temporary directory beside it, renamed at the end). Returns the metrics: the training
@@ -519,21 +581,7 @@ def finetune(args: FinetuneArgs) -> dict:
     identity = run_identity(args)
     tokenizer, model = _load(args, labels)
     eval_names = [s for s in files if s != "train"]
-    truncated = 0
-    if spec.shape == "qa":
-        train = qa.train_features(tokenizer, records["train"], args.max_seq_length, args.doc_stride,
-                                  args.max_query_length)
-        encoded = {}
-    else:
-        label2id = {name: i for i, name in enumerate(labels)} if labels else {}
-        encoded = {}
-        for split in files:
-            encoded[split], n = _ENCODERS[spec.shape](records[split], tokenizer, args, label2id, files[split])
-            truncated += n
-        train = encoded["train"]
-        for split in eval_names:
-            if any("labels" not in ex for ex in encoded[split]):
-                raise ValueError(f"{files[split]}: no labels (a test file?); evaluation needs a labelled file")
+    train, encoded, truncated = _encode_splits(args, files, records, tokenizer, labels)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -542,44 +590,17 @@ def finetune(args: FinetuneArgs) -> dict:
         trainer = transformers.Trainer(
             model=model, args=_training_arguments(args, work, len(train)), train_dataset=train,
             data_collator=_collator(spec.shape, tokenizer), processing_class=tokenizer)
-        before, after, baseline, predictions = {}, {}, {}, {}
-        # Before training Trainer runs DeepSpeed only as ZeRO-3 inference; under other stages that score is skipped.
-        if spec.shape != "qa" and args.deepspeed is None:
-            for split in eval_names:
-                before[split] = _evaluate(trainer, spec, labels, encoded[split])
-        result = trainer.train()
-        for split in eval_names:
-            if spec.shape == "qa":
-                after[split], predictions[split] = _qa_evaluate(trainer, args, tokenizer, records[split])
-            else:
-                after[split] = _evaluate(trainer, spec, labels, encoded[split])
-                baseline[split] = majority_baseline(spec, labels, train, encoded[split])
+        trained = _train_and_score(trainer, args, tokenizer, labels, records, train, encoded, eval_names)
+        predictions = trained.pop("predictions")
         first = eval_names[0] if eval_names else None
         metrics = {
             "task": spec.name, "shape": spec.shape, "model": str(args.model), "labels": labels,
             "num_labels": model.config.num_labels, "problem_type": model.config.problem_type,
             "main_metric": spec.main_metric, "train_examples": len(records["train"]), "train_features": len(train),
             "validation_examples": len(records[first]) if first else 0, "truncated_examples": truncated,
-            "steps": result.global_step, "train_loss": result.training_loss,
-            "train_loss_log": [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history
-                               if "loss" in e],
-            "eval": after, "eval_before": before, "baseline": baseline,
-            "before": before.get(first), "after": after.get(first),
-            "majority_accuracy": baseline[first]["majority_accuracy"] if first in baseline else None,
-            "world_size": trainer.args.world_size,
-            "args": asdict(args), "identity": identity,
+            **trained, "world_size": trainer.args.world_size, "args": asdict(args), "identity": identity,
         }
-        trainer.save_model(str(work))  # every rank calls it (ZeRO-3 gathers the weights); the main process writes
-        if trainer.is_world_process_zero():
-            (work / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n")
-            if predictions:
-                (work / PREDICTIONS_NAME).write_text(json.dumps(predictions, indent=2) + "\n")
-            if out.exists():
-                out.rmdir()  # empty (checked above); rename cannot replace a directory
-            apply_umask(work)  # mkdtemp's 0700 and safetensors' 0600 otherwise
-            work.rename(out)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        _publish(trainer, work, out, metrics, predictions)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise

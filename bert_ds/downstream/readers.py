@@ -260,6 +260,47 @@ def _drop_misplaced(path, records: list[dict], misplaced: list[tuple], answered:
     return [r for r in records if r["id"] not in bad]
 
 
+class _SquadFields:
+    """Typed field access into a SQuAD document, every failure one DownstreamInputError naming the JSON path."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+
+    def fail(self, line: int, field: str, message: str):
+        raise DownstreamInputError(self.path, line, field, message)
+
+    def need(self, obj, key: str, kind: type, field: str, line: int):
+        value = obj.get(key) if isinstance(obj, dict) else None
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            self.fail(line, f"{field}.{key}", f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    def answers(self, qa: dict, context: str, q_field: str, line: int) -> tuple[list[str], list[int]]:
+        """(texts, starts) of a question's answers; each span must lie inside the context."""
+        texts, starts = [], []
+        for k, answer in enumerate(self.need(qa, "answers", list, q_field, line)):
+            k_field = f"{q_field}.answers[{k}]"
+            answer_text = self.need(answer, "text", str, k_field, line)
+            start = self.need(answer, "answer_start", int, k_field, line)
+            if not 0 <= start <= len(context) - len(answer_text):
+                self.fail(line, f"{k_field}.answer_start", f"answer_start {start} puts {answer_text!r} outside the "
+                          f"context ({len(context)} characters)")
+            texts.append(answer_text)
+            starts.append(start)
+        return texts, starts
+
+    def impossible(self, qa: dict, texts: list[str], version: int | None, q_field: str, line: int) -> bool:
+        """``is_impossible``, checked against the version's rule (v1.1: answered; v2.0: agrees with the answers)."""
+        impossible = qa.get("is_impossible", False)
+        if not isinstance(impossible, bool):
+            self.fail(line, f"{q_field}.is_impossible", f"expected true/false, got {impossible!r}")
+        if version == 1 and (impossible or not texts):
+            self.fail(line, f"{q_field}.answers", "SQuAD v1.1 question without an answer")
+        if version == 2 and impossible == bool(texts):
+            self.fail(line, f"{q_field}.is_impossible", f"is_impossible={impossible} but {len(texts)} answers")
+        return impossible or not texts
+
+
 def read_squad_json(path: str | Path, version: int | None = None, training: bool = False) -> list[dict]:
     """Questions of a SQuAD v1.1 / v2.0 file (``{"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}``).
     ``version=1`` requires at least one answer per question; ``version=2`` requires ``is_impossible`` to agree with
@@ -267,63 +308,37 @@ def read_squad_json(path: str | Path, version: int | None = None, training: bool
     training uses) must lie at its ``answer_start`` (:func:`misplaced_answer`), else the question is skipped
     (:data:`MAX_MISPLACED_ANSWER_SHARE`); evaluation scores answer texts only, so dev files are not checked."""
     doc, text = _read_json_document(path)
-    where = _Locator(text)
-
-    def fail(line: int, field: str, message: str):
-        raise DownstreamInputError(path, line, field, message)
-
-    def need(obj, key, kind, field, line):
-        value = obj.get(key) if isinstance(obj, dict) else None
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            fail(line, f"{field}.{key}", f"expected {kind.__name__}, got {type(value).__name__}")
-        return value
-
+    where, f = _Locator(text), _SquadFields(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
-        fail(1, "data", "a SQuAD file is an object with a 'data' list")
+        f.fail(1, "data", "a SQuAD file is an object with a 'data' list")
     records, seen, misplaced = [], {}, []
     for a, article in enumerate(doc["data"]):
         a_field = f"data[{a}]"
         title = article.get("title", "") if isinstance(article, dict) else ""
         line = where.line_of(title) if title else 1
-        for p, paragraph in enumerate(need(article, "paragraphs", list, a_field, line)):
+        for p, paragraph in enumerate(f.need(article, "paragraphs", list, a_field, line)):
             p_field = f"{a_field}.paragraphs[{p}]"
-            context = need(paragraph, "context", str, p_field, line)
+            context = f.need(paragraph, "context", str, p_field, line)
             if len(context) > MAX_CELL_CHARS:
-                fail(line, f"{p_field}.context", f"{len(context)} characters, over the {MAX_CELL_CHARS} limit")
-            for q, qa in enumerate(need(paragraph, "qas", list, p_field, line)):
+                f.fail(line, f"{p_field}.context", f"{len(context)} characters, over the {MAX_CELL_CHARS} limit")
+            for q, qa in enumerate(f.need(paragraph, "qas", list, p_field, line)):
                 q_field = f"{p_field}.qas[{q}]"
-                qid = need(qa, "id", str, q_field, line)
+                qid = f.need(qa, "id", str, q_field, line)
                 line = where.line_of(qid)
                 if qid in seen:
-                    fail(line, f"{q_field}.id", f"duplicate question id {qid!r} (first at {seen[qid]})")
+                    f.fail(line, f"{q_field}.id", f"duplicate question id {qid!r} (first at {seen[qid]})")
                 seen[qid] = q_field
-                question = need(qa, "question", str, q_field, line)
-                answers = need(qa, "answers", list, q_field, line)
-                texts, starts = [], []
-                for k, answer in enumerate(answers):
-                    k_field = f"{q_field}.answers[{k}]"
-                    answer_text = need(answer, "text", str, k_field, line)
-                    start = need(answer, "answer_start", int, k_field, line)
-                    if not 0 <= start <= len(context) - len(answer_text):
-                        fail(line, f"{k_field}.answer_start", f"answer_start {start} puts {answer_text!r} outside "
-                             f"the context ({len(context)} characters)")
-                    texts.append(answer_text)
-                    starts.append(start)
-                impossible = qa.get("is_impossible", False)
-                if not isinstance(impossible, bool):
-                    fail(line, f"{q_field}.is_impossible", f"expected true/false, got {impossible!r}")
-                if version == 1 and (impossible or not texts):
-                    fail(line, f"{q_field}.answers", "SQuAD v1.1 question without an answer")
-                if version == 2 and impossible == bool(texts):
-                    fail(line, f"{q_field}.is_impossible", f"is_impossible={impossible} but {len(texts)} answers")
+                question = f.need(qa, "question", str, q_field, line)
+                texts, starts = f.answers(qa, context, q_field, line)
+                impossible = f.impossible(qa, texts, version, q_field, line)
                 held = misplaced_answer(context, starts[0], texts[0]) if training and texts else None
                 if held is not None:
                     misplaced.append((line, f"{q_field}.answers[0].answer_start", qid, starts[0], held, texts[0]))
                 records.append({"id": qid, "title": title, "question": question, "context": context,
-                                "answers": {"text": texts, "answer_start": starts},
-                                "is_impossible": impossible or not texts, "line": line})
+                                "answers": {"text": texts, "answer_start": starts}, "is_impossible": impossible,
+                                "line": line})
     if not records:
-        fail(1, "data", "no questions")
+        f.fail(1, "data", "no questions")
     return _drop_misplaced(path, records, misplaced, sum(bool(r["answers"]["text"]) for r in records))
 
 

@@ -10,12 +10,13 @@ marked ``e2e``, so a test cannot drift into the wrong tier unnoticed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 __all__ = ["NEEDS", "RANK_ENTRY_POINTS", "RANK_LAUNCHERS", "gpu_available", "mpi_available", "rank_launch",
-           "slurm_up"]
+           "refuse_rank_launches", "slurm_up"]
 
 RANK_LAUNCHERS = frozenset({"deepspeed", "ds", "mpirun", "mpiexec", "srun", "sbatch", "salloc", "torchrun"})
 """Programs that start ranks (by the basename of argv[0])."""
@@ -72,3 +73,26 @@ NEEDS = {"slurm": (slurm_up, "no Slurm controller answers (CI starts one with .c
          "mpi": (mpi_available, "needs Open MPI's mpirun and mpi4py (pip install .[mpi])"),
          "gpu": (gpu_available, "needs a CUDA GPU")}
 """Marker -> (is the resource here, the skip reason): a test marked ``slurm``, ``mpi`` or ``gpu`` skips without it."""
+
+
+@contextlib.contextmanager
+def refuse_rank_launches(nodeid: str) -> Iterator[None]:
+    """Inside the block, ``subprocess.Popen`` (and so ``subprocess.run``) raises RuntimeError naming ``nodeid`` and the
+    command when the command starts ranks (:func:`rank_launch`); any other command runs."""
+    import subprocess
+
+    original = subprocess.Popen
+
+    class _NoRanksPopen(original):
+        def __init__(self, args, *rest, **kwargs):
+            why = rank_launch(args, kwargs.get("env"))
+            if why is not None:
+                raise RuntimeError(f"{nodeid} is not marked e2e but starts {why}: {args!r}; mark it "
+                                   f"@pytest.mark.e2e (tests/helpers/tiers.py) or test the decision in-process")
+            super().__init__(args, *rest, **kwargs)
+
+    subprocess.Popen = _NoRanksPopen
+    try:
+        yield
+    finally:
+        subprocess.Popen = original
