@@ -30,9 +30,9 @@ SCORE_LINE = re.compile(r"held-out masked-LM accuracy of the export \((seq \d+)\
                         r"positions vs unigram baseline ([\d.]+)% \(always '(.+)'\): ([\d.]+)x\n"
                         r" +at the (\d+) \[MASK\] positions alone: ([\d.]+)% vs ([\d.]+)% \(always '(.+)'\): "
                         r"([\d.]+)x")
-GAIN_LINE = re.compile(r"^fine-tune replaced-word detection \(F1 of the replaced words\): pre-trained ([\d.]+)  "
-                       r"random init ([\d.]+)  majority ([\d.]+)  margin ([+-][\d.]+) points  "
-                       r"\(held-out median of (\d+) seeds; per seed pre-trained/random ([\d./, ]+)\)$", re.M)
+GAIN_LINE = re.compile(r"^fine-tune word-order acceptability \(accuracy\): pre-trained ([\d.]+)  random init ([\d.]+)  "
+                       r"majority ([\d.]+)  margin ([+-][\d.]+) points  \(held-out median of (\d+) seeds at each "
+                       r"start's best lr: ([\d.e-]+) / ([\d.e-]+); per seed pre-trained/random ([\d./, ]+)\)$", re.M)
 
 
 def test_split_corpus_holds_out_whole_documents(tmp_path):
@@ -102,13 +102,15 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert len(examples) >= 4, first.stdout[-3000:]
     assert all(len(top.split(" | ")) == 3 for _, top in examples)
     assert "sequence-length warm-up at seq 32" in first.stdout
-    # The demo ends with the pre-trained vs random-init fine-tune (quick: one seed on a small task, shape only; the
-    # full demo fails unless the export wins, and docs/demo.md has the measured figures).
+    # The demo ends with the pre-trained vs random-init fine-tune (quick: one seed and rate on a small task, shape
+    # only; the full demo fails unless the export wins, and docs/demo.md has the measured figures).
     gain = GAIN_LINE.search(first.stdout)
     assert gain, first.stdout[-3000:]
     pre, rnd, majority, margin = float(gain[1]), float(gain[2]), float(gain[3]), float(gain[4])
-    assert int(gain[5]) == 1 and gain[6] == f"{pre:.1f}/{rnd:.1f}" and majority == 0.0, gain[0]  # all "original"
+    assert int(gain[5]) == 1 and gain[6] == gain[7] == "0.001" and gain[8] == f"{pre:.1f}/{rnd:.1f}", gain[0]
+    assert majority == 50.0, gain[0]  # balanced labels
     assert abs(margin - (pre - max(rnd, majority))) < 0.11, gain[0]
+    assert "held-out: " in first.stdout and " near duplicates of training text" in first.stdout
     last = [line for line in first.stdout.splitlines() if line.strip()][-2:]
     assert last[0] == gain[0] and last[1].startswith("demo finished in"), last
     assert "both phases from the warm-up's weights" in first.stdout
@@ -133,32 +135,34 @@ def test_quick_demo_end_to_end_and_again(tmp_path):
     assert png.stat().st_size > 40_000
 
 
-def test_replaced_word_task_replaces_15_percent_of_each_sentence_from_its_own_text(english_corpus):
-    from bert_ds.devtools.pretraining_gain import _sentences, replaced_word_examples
+def test_word_order_task_shuffles_every_other_sentence_of_its_own_text(english_corpus):
+    from bert_ds.devtools.pretraining_gain import ORIGINAL, SHUFFLED, usable_sentences, word_order_examples
 
-    sentences = _sentences(english_corpus)
-    originals = {len(words): set() for words in sentences}
-    for words in sentences:
-        originals[len(words)].add(tuple(words))
-    vocabulary = {w for words in sentences for w in words}
-    records = replaced_word_examples(english_corpus, 300, seed=3)
-    assert len(records) == 300
+    sentences = {" ".join(words) for words in usable_sentences(english_corpus)}
+    by_words: dict[tuple, set[str]] = {}
+    for sentence in sentences:
+        words = sentence.split()
+        by_words.setdefault((words[0], words[-1], *sorted(words[1:-1])), set()).add(sentence)
+    records = word_order_examples(english_corpus, 300, seed=3)
+    assert [r["label"] for r in records] == [ORIGINAL, SHUFFLED] * 150  # balanced: the majority label scores 50%
+    assert len({r["text"] for r in records}) == 300
     for record in records:
-        tokens, tags = record["tokens"], record["tags"]
-        replaced = [i for i, t in enumerate(tags) if t == "B-REP"]
-        assert set(tags) <= {"O", "B-REP"} and len(tags) == len(tokens)
-        assert len(replaced) == max(1, round(0.15 * len(tokens)))
-        assert all(tokens[i] in vocabulary for i in replaced)  # drawn from the same text
-        # the sentence it came from: same length, same words wherever the tag is "O", another word where replaced
-        sources = [o for o in originals[len(tokens)] if all(o[i] == w for i, w in enumerate(tokens)
-                                                            if tags[i] == "O")]
-        assert any(all(o[i].lower() != tokens[i].lower() for i in replaced) for o in sources), record
+        words = record["text"].split()
+        if record["label"] == ORIGINAL:
+            assert record["text"] in sentences, record
+            continue
+        # a sentence of the text with the same first and last word and the same inner words, in another order
+        sources = by_words.get((words[0], words[-1], *sorted(words[1:-1])), set())
+        assert sources and record["text"] not in sources, record
 
 
-def test_gain_margin_is_against_the_better_of_random_init_and_majority():
+def test_gain_margin_is_against_the_better_of_random_init_and_majority_at_each_best_rate():
     from bert_ds.devtools.pretraining_gain import MIN_GAIN, GainResult
 
-    result = GainResult(pretrained=[0.19, 0.11, 0.14], random_init=[0.01, 0.005, 0.005], majority=0.0)
-    assert abs(result.margin - (0.14 - 0.005)) < 1e-12 and result.helps
-    assert not GainResult(pretrained=[0.55], random_init=[0.40], majority=0.52).helps  # 3 points above majority
-    assert GainResult(pretrained=[0.521 + MIN_GAIN], random_init=[0.52], majority=0.5).helps
+    result = GainResult(pretrained={3e-4: [0.60, 0.62, 0.61], 1e-3: [0.74, 0.76, 0.70]},
+                        random_init={3e-4: [0.55, 0.51, 0.53], 1e-3: [0.50, 0.52, 0.50]}, majority=0.5)
+    assert abs(result.margin - (0.74 - 0.53)) < 1e-12 and result.helps
+    assert "best lr: 0.001 / 0.0003;" in result.line() and "random 74.0/55.0, 76.0/51.0, 70.0/53.0)" in result.line()
+    assert not GainResult({1e-3: [0.55]}, {1e-3: [0.40]}, majority=0.52).helps  # 3 points above majority
+    assert GainResult({1e-3: [0.571 + MIN_GAIN]}, {1e-3: [0.57]}, majority=0.5).helps
+    assert not GainResult({1e-3: [0.569 + MIN_GAIN]}, {1e-3: [0.57]}, majority=0.5).helps
