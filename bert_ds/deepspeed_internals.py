@@ -1,4 +1,9 @@
-"""Every use of a private DeepSpeed attribute or function in bert_ds, in one module.
+"""The DeepSpeed boundary: every DeepSpeed-version fact bert_ds relies on, in one leaf module (it imports nothing
+from bert_ds, and deepspeed only inside the functions that need it, so the run directory's owner and the safe loader
+read its names without importing DeepSpeed). An upgrade means reading this file: the file names DeepSpeed gives a
+checkpoint, the classes its pickles hold, its optimizer wrapper's name and the loss-scale attribute, its CPU
+shared-memory extension and buffers, its launcher module, the log lines and warnings bert_ds silences, and the
+private ZeRO 1/2 internals below.
 
 Written against DeepSpeed 0.19.x (checked on 0.19.8): ``runtime/zero/stage_1_and_2.py`` (``DeepSpeedZeroOptimizer``)
 for the ZeRO 1/2 partition map that :class:`bert_ds.optim.ZeroAwareLamb` binds to, and for re-cutting elastic
@@ -16,13 +21,13 @@ import re
 import warnings
 from dataclasses import dataclass
 
-import deepspeed
-import deepspeed.comm as dist
 import torch
 
-__all__ = ["SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES", "ZERO_CHECKPOINT_KEYS", "ZERO_OPTIMIZER_ATTRIBUTES",
-           "ZERO_OPTIMIZER_METHODS", "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version",
-           "is_elastic_zero_state", "is_zero3_optimizer", "quiet_moot_warnings", "recut_zero_partitions",
+__all__ = ["LAUNCH_MODULE", "LOSS_SCALE_ATTRIBUTE", "MODEL_STATES_NAME", "PICKLED_CLASSES", "SHM_BUFFER_GLOB",
+           "SHM_COMM_BUILDER", "SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES", "ZERO_CHECKPOINT_KEYS",
+           "ZERO_OPTIMIZER_ATTRIBUTES", "ZERO_OPTIMIZER_CLASS", "ZERO_OPTIMIZER_METHODS", "ZERO_PARTITION_FILE",
+           "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version", "is_elastic_zero_state",
+           "is_zero3_optimizer", "loss_scale", "quiet_moot_warnings", "recut_zero_partitions", "shm_comm_builder",
            "zero_partition_map", "zero_setup"]
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
@@ -49,6 +54,54 @@ ZERO3_OPTIMIZER_ATTRIBUTES = ("fp32_partitioned_groups_flat",)
 
 ZERO_CHECKPOINT_KEYS = ("optimizer_state_dict", "base_optimizer_state")
 """Keys of DeepSpeed's ``zero_pp_rank_*_optim_states.pt`` files read on resume."""
+
+# ---- file names, pickled classes, names and attributes of DeepSpeed 0.19 that other bert_ds modules use -------------
+
+MODEL_STATES_NAME = "mp_rank_00_model_states.pt"
+"""The module-weights file of a tag (``DeepSpeedEngine._get_ckpt_name``, no tensor/pipeline parallelism); it also holds
+the client state, merged into its top level (``_save_checkpoint``: ``state.update(client_state)``)."""
+
+ZERO_PARTITION_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+"""One saved rank's ZeRO 1/2 optimizer partition: ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, with a ``bf16_``
+prefix when the run trained in bf16 (``DeepSpeedEngine._get_zero_ckpt_prefix``)."""
+
+PICKLED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""DeepSpeed's own classes inside its checkpoint files (``zero_pp_rank_*``: the loss scaler object -- static for
+fp32/bf16, dynamic for fp16 --, the ZeRO stage enum and the param-slice map's addresses; found by saving real
+checkpoints at ZeRO 0-3 in fp32 and bf16): what :mod:`bert_ds.safe_load` allows besides numpy's."""
+
+ZERO_OPTIMIZER_CLASS = "DeepSpeedZeroOptimizer"
+"""The class name of the ZeRO stage 1/2 wrapper around a client optimizer (``runtime/zero/stage_1_and_2.py``)."""
+
+LOSS_SCALE_ATTRIBUTE = "cur_scale"
+"""The fp16 optimizer wrappers' current loss scale (``FP16_Optimizer``, ``DeepSpeedZeroOptimizer``)."""
+
+SHM_COMM_BUILDER = "ShareMemCommBuilder"
+"""The op builder of the CPU shared-memory all-reduce extension ``deepspeed_shm_comm`` compiled on first use."""
+
+SHM_BUFFER_GLOB = "deepspeed_allreduce_buffer_*_{addr}_{port}_{local_rank}"
+"""The /dev/shm segments that extension creates per local rank (never unlinked by DeepSpeed 0.19)."""
+
+LAUNCH_MODULE = "deepspeed.launcher.launch"
+"""The per-node launcher module the ``deepspeed`` runner starts, which starts the ranks."""
+
+
+def shm_comm_builder():
+    """DeepSpeed's op builder of :data:`SHM_COMM_BUILDER` when this install can build it (``deepspeed.ops.
+    __compatible_ops__``, filled when DeepSpeed was installed), else None."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(SHM_COMM_BUILDER)
+    return builder if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False) else None
+
+
+def loss_scale(optimizer) -> float | None:
+    """The current fp16 loss scale of DeepSpeed's optimizer wrapper, None when it keeps none."""
+    return getattr(optimizer, LOSS_SCALE_ATTRIBUTE, None)
 
 
 MOOT_LOG_MESSAGES = ("You are using ZeRO with an untested optimizer",)
@@ -93,12 +146,14 @@ def _supported_range() -> str:
 def check_deepspeed_version(version: str | None = None) -> str:
     """Return the installed DeepSpeed version, or raise ValueError naming it and the supported range."""
     if version is None:
+        import deepspeed
+
         version = deepspeed.__version__
     match = re.match(r"(\d+)\.(\d+)", str(version))
     lo, hi = SUPPORTED_DEEPSPEED
     if match is None or not lo <= (int(match[1]), int(match[2])) < hi:
         raise ValueError(f"deepspeed {version} is installed, but bert_ds relies on DeepSpeed internals of "
-                         f"deepspeed{_supported_range()} (bert_ds/runtime/deepspeed_internals.py); install a "
+                         f"deepspeed{_supported_range()} (bert_ds/deepspeed_internals.py); install a "
                          f"version in that range, e.g. pip install 'deepspeed{_supported_range()}'")
     return str(version)
 
@@ -159,6 +214,8 @@ def zero_setup(zero_optimizer) -> ZeroSetup:
     if is_zero3_optimizer(zo):
         return ZeroSetup(stage3=True, cpu_offload=False, torch_autocast=False, zenflow=False, mixed_dp_groups=())
     _check_zero_attributes(zo)
+    import deepspeed.comm as dist
+
     world_size = dist.get_world_size(group=zo.dp_process_group)
     mixed = tuple(i for i, pg in enumerate(zo.real_dp_process_group) if dist.get_world_size(group=pg) != world_size)
     return ZeroSetup(stage3=False, cpu_offload=bool(zo.cpu_offload),
@@ -174,6 +231,8 @@ def zero_partition_map(zero_optimizer) -> ZeroPartitionMap:
     equal partitions of ``partition_size[i]``. The map describes the plain layout: a caller whose use depends on the
     setup (offload, autocast, ZenFlow, MoE expert groups) asks :func:`zero_setup` first.
     """
+    import deepspeed.comm as dist
+
     zo = zero_optimizer
     _check_zero_attributes(zo)
     world_size = dist.get_world_size(group=zo.dp_process_group)

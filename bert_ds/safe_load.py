@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_ds.deepspeed_internals import PICKLED_CLASSES
+
 __all__ = ["ALLOWED_GLOBALS", "CheckpointError", "UnsafeCheckpointError", "deepspeed_loads_weights_only",
            "load_tensor_file"]
 
@@ -39,10 +41,8 @@ ALLOWED_GLOBALS = (
     # restoring the dtype's state needs it allowed
     "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
     "numpy.dtypes.UInt32DType",
-    # zero_pp_rank_*_optim_states.pt of DeepSpeed 0.19 (runtime/zero/stage_1_and_2.py ``state_dict``): the loss scaler
-    # object (static for fp32/bf16, dynamic for fp16), the ZeRO stage enum and the param-slice map's addresses
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address",
+    # DeepSpeed's own classes in its checkpoint files (bert_ds.deepspeed_internals.PICKLED_CLASSES)
+    *PICKLED_CLASSES,
 )
 """Every non-tensor, non-builtin type a bert_ds checkpoint file may reference (found by saving real checkpoints at
 ZeRO 0, 1, 2 and 3 in fp32 and bf16 and listing ``torch.serialization.get_unsafe_globals_in_checkpoint``; the fp16

@@ -1,4 +1,4 @@
-"""The private DeepSpeed names bert_ds relies on (all in ``bert_ds/runtime/deepspeed_internals.py``) exist on the
+"""The private DeepSpeed names bert_ds relies on (all in ``bert_ds/deepspeed_internals.py``) exist on the
 installed DeepSpeed, read from its class sources without starting ranks; and an unsupported version is refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from bert_ds.runtime import deepspeed_internals as dsi
+from bert_ds import deepspeed_internals as dsi
 
 
 def class_source(cls: type) -> str:
@@ -27,7 +27,7 @@ def assigns(source: str, attr: str) -> bool:
 def test_zero_optimizer_sets_attribute(attr):
     assert assigns(class_source(DeepSpeedZeroOptimizer), attr), (
         f"DeepSpeedZeroOptimizer of deepspeed {deepspeed.__version__} no longer sets self.{attr}; "
-        f"update bert_ds/runtime/deepspeed_internals.py")
+        f"update bert_ds/deepspeed_internals.py")
 
 
 @pytest.mark.parametrize("attr", dsi.ZERO3_OPTIMIZER_ATTRIBUTES)
@@ -112,3 +112,34 @@ def test_the_moot_warnings_are_still_raised_by_deepspeed_and_only_they_are_silen
                       stacklevel=1)
         warnings.warn("another deprecation", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["another deprecation"]
+
+
+def test_the_file_names_class_names_and_modules_are_deepspeeds():
+    """Each DeepSpeed fact other bert_ds modules take from here is what the installed DeepSpeed has."""
+    import importlib.util
+    from pathlib import Path
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from bert_ds.safe_load import _resolve_global
+
+    names = inspect.getsource(DeepSpeedEngine._get_ckpt_name)
+    assert '"mp_rank_" + mp_rank_str + "_model_states.pt"' in names
+    assert dsi.MODEL_STATES_NAME == "mp_rank_00_model_states.pt"
+    zero = inspect.getsource(DeepSpeedEngine._get_zero_ckpt_prefix) + inspect.getsource(
+        DeepSpeedEngine._get_rank_zero_ckpt_name)
+    assert "bf16_" in zero and "zero_pp_rank_" in zero and "_optim_states.pt" in zero
+    assert dsi.ZERO_PARTITION_FILE.match("bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt").group(1) == "3"
+    assert dsi.ZERO_PARTITION_FILE.match("zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert not dsi.ZERO_PARTITION_FILE.match("mp_rank_00_model_states.pt")
+    assert dsi.ZERO_OPTIMIZER_CLASS == DeepSpeedZeroOptimizer.__name__
+    assert isinstance(getattr(DeepSpeedZeroOptimizer, dsi.LOSS_SCALE_ATTRIBUTE), property)
+    for name in dsi.PICKLED_CLASSES:
+        assert _resolve_global(name).__name__ == name.rsplit(".", 1)[1], name
+    assert importlib.util.find_spec(dsi.LAUNCH_MODULE) is not None
+    shm = Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp"
+    assert f'#define SHM_BUFFER_NAME "{dsi.SHM_BUFFER_GLOB.split("_*")[0]}"' in shm.read_text()
+    from deepspeed.accelerator import get_accelerator
+
+    assert get_accelerator().create_op_builder(dsi.SHM_COMM_BUILDER) is not None
+

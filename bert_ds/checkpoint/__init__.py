@@ -8,7 +8,7 @@ the files. By concern:
 * :mod:`.layout`   names, tags, ``latest``, ``run_state.json``, model config, tokenizer copy, debris of killed saves
 * :mod:`.save`     all ranks write a ``<tag>.tmp``, agree, then rank 0 publishes it and moves ``latest``; pruning
 * :mod:`.restore`  mid-phase resume and phase hand-off (the ZeRO re-cut delegated to
-                   :mod:`bert_ds.runtime.deepspeed_internals`), consolidated fp32 weights
+                   :mod:`bert_ds.deepspeed_internals`), consolidated fp32 weights
 * :mod:`.lock`     one live run per directory (``flock``), free-space pre-flight, readers holding a tag against
                    pruning (:func:`reading_tag`)
 * :mod:`.integrity` every file's sha256 recorded in the tag's ``run_state.json`` at save, verified before reading

@@ -24,6 +24,7 @@ import json
 import logging
 from pathlib import Path
 
+from bert_ds.deepspeed_internals import MODEL_STATES_NAME
 from bert_ds.safe_load import CheckpointError
 
 __all__ = ["CLIENT_STATE_KEY", "DIGEST", "MODEL_STATES_NAME", "STATE_DIGEST_KEY", "DamagedCheckpointError",
@@ -36,9 +37,7 @@ STATE_DIGEST_KEY = "run_state_sha256"
 CLIENT_STATE_KEY = "bert_ds"
 """The key under which the run state travels in DeepSpeed's client state (``engine.save_checkpoint(client_state=)``
 merges it into the top level of the model-states file)."""
-MODEL_STATES_NAME = "mp_rank_00_model_states.pt"
-"""DeepSpeed 0.19's module-weights file of a tag (``DeepSpeedEngine._get_ckpt_name``, no tensor/pipeline parallelism):
-it also holds the client state."""
+
 _CHUNK = 8 * 2**20
 log = logging.getLogger("bert_ds.checkpoint")
 

@@ -6,7 +6,7 @@ a client optimizer without a ``step`` entry in its param groups (``_restore_step
 ZeroAwareLamb keeps the step in its state), and refuses a checkpoint from another data-parallel size outright,
 although the elastic format (flat per-rank partitions with the padding stripped) holds everything needed. So under
 ZeRO 1/2 DeepSpeed loads the module, scheduler and client state without optimizer state, and the saved partitions
-are re-cut for this rank by :func:`bert_ds.runtime.deepspeed_internals.recut_zero_partitions`, the one step that
+are re-cut for this rank by :func:`bert_ds.deepspeed_internals.recut_zero_partitions`, the one step that
 needs DeepSpeed's private helpers. On the same rank count this reproduces each partition bit for bit.
 deepspeed is imported only inside the functions that need it, so reading weights (export, evaluation) does not.
 """
@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bert_ds.checkpoint.integrity import MODEL_STATES_NAME
 from bert_ds.checkpoint.layout import read_run_state, rng_file
+from bert_ds.deepspeed_internals import MODEL_STATES_NAME, ZERO_PARTITION_FILE
 from bert_ds.safe_load import CheckpointError, deepspeed_loads_weights_only, load_tensor_file
 
 __all__ = ["Handoff", "RestoredRun", "consolidated_state_dict", "load_rng_state", "open_handoff", "restore_run",
@@ -31,9 +30,6 @@ __all__ = ["Handoff", "RestoredRun", "consolidated_state_dict", "load_rng_state"
 
 log = logging.getLogger("bert_ds.checkpoint")
 
-_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-"""DeepSpeed 0.19's name for one saved rank's ZeRO 1/2 optimizer partition: ``zero_pp_rank_<r>_mp_rank_00_...``, with
-a ``bf16_`` prefix when the run trained in bf16 (``DeepSpeedEngine._get_zero_ckpt_prefix``)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +71,7 @@ def _load_engine(engine, ckpt_dir: Path, tag: str, saved_world: int, world: int)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     if stage in (1, 2):
-        from bert_ds.runtime.deepspeed_internals import recut_zero_partitions
+        from bert_ds.deepspeed_internals import recut_zero_partitions
 
         recut_zero_partitions(engine.optimizer, _zero_partitions(ckpt_dir / tag, saved_world), weights=True)
     _apply_scheduler_lr(engine)
@@ -105,7 +101,7 @@ class Handoff:
                 group["lr"] = lr  # the new phase's schedule, not the old phase's last lr
             states = list(optimizer.state.values())
         else:
-            from bert_ds.runtime.deepspeed_internals import recut_zero_partitions
+            from bert_ds.deepspeed_internals import recut_zero_partitions
 
             saved = _zero_partitions(tag_dir, int(self.run_state["world_size"]))
             client = recut_zero_partitions(engine.optimizer, saved, weights=False)
@@ -126,7 +122,7 @@ def open_handoff(ckpt_dir: str | Path, tag: str, phase_index: int) -> Handoff:
 
 def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
     """The ZeRO optimizer files of every saved rank, loaded, in rank order; refused unless they are elastic."""
-    from bert_ds.runtime.deepspeed_internals import is_elastic_zero_state
+    from bert_ds.deepspeed_internals import is_elastic_zero_state
 
     files = zero_partition_files(tag_dir)
     if len(files) != saved_world_size:
@@ -141,7 +137,7 @@ def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
 
 def zero_partition_files(tag_dir: str | Path) -> list[Path]:
     """The ZeRO 1/2 optimizer partition files of a tag (fp32/fp16 or bf16 naming), in saved-rank order."""
-    found = [(int(m.group(1)), f) for f in Path(tag_dir).iterdir() if (m := _ZERO_FILE.match(f.name))]
+    found = [(int(m.group(1)), f) for f in Path(tag_dir).iterdir() if (m := ZERO_PARTITION_FILE.match(f.name))]
     return [f for _, f in sorted(found)]
 
 

@@ -14,6 +14,7 @@ import importlib.util
 
 import torch
 
+from bert_ds.deepspeed_internals import ZERO_OPTIMIZER_CLASS
 from bert_ds.optim.lamb import UnsupportedZeroSetup, ZeroAwareLamb
 
 __all__ = ["OPTIMIZER_NAMES", "bind_optimizer", "build_optimizer", "no_decay", "param_groups"]
@@ -107,7 +108,7 @@ def bind_optimizer(engine) -> None:
         raise UnsupportedZeroSetup("ZeroAwareLamb does not support ZeRO stage 3; use stage 1 or 2")
     if wrapped is base:
         return  # stage 0 fp32: the engine steps the client optimizer on the original tensors
-    if stage in (1, 2) and type(wrapped).__name__ == "DeepSpeedZeroOptimizer":
+    if stage in (1, 2) and type(wrapped).__name__ == ZERO_OPTIMIZER_CLASS:
         base.bind_zero(wrapped)
         return
     raise UnsupportedZeroSetup(f"ZeroAwareLamb: DeepSpeed wraps it in {type(wrapped).__name__} (ZeRO stage {stage}), "

@@ -83,11 +83,11 @@ def zero_layout(zero_optimizer) -> ZeroLayout:
     """Map every original tensor of a ``DeepSpeedZeroOptimizer`` (stage 1/2) to its runs in this rank's partition.
 
     DeepSpeed's partition map (tensor offsets in each flat group, this rank's slice of it) is read by
-    :func:`bert_ds.runtime.deepspeed_internals.zero_partition_map`; this turns it into contiguous runs of the flat
+    :func:`bert_ds.deepspeed_internals.zero_partition_map`; this turns it into contiguous runs of the flat
     partition: tensor segments, and padding between or after them. The map describes the plain layout only:
     :meth:`ZeroAwareLamb.bind_zero` refuses the setups it does not fit (offload, autocast, ZenFlow, MoE) first.
     """
-    from bert_ds.runtime.deepspeed_internals import zero_partition_map
+    from bert_ds.deepspeed_internals import zero_partition_map
 
     zmap = zero_partition_map(zero_optimizer)
     n_tensors = len(zmap.shapes)
@@ -198,7 +198,7 @@ class ZeroAwareLamb(Optimizer):
         Raises for ZeRO stage 3 and for wrappers whose layout this class does not know, so LAMB is never silently
         per-slice.
         """
-        from bert_ds.runtime.deepspeed_internals import zero_setup
+        from bert_ds.deepspeed_internals import zero_setup
 
         setup = zero_setup(zero_optimizer)
         if setup.stage3:

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_ds.deepspeed_internals import SHM_BUFFER_GLOB, shm_comm_builder
+
 __all__ = ["EXTENSION_LOCK_STALE_S", "check_master_addr", "extension_build_locks", "free_port", "init_distributed",
            "launch_path", "leave_process_group", "leave_process_group_at_exit", "prebuild_extensions",
            "release_shm_buffers", "seed_everything", "use_node_local_caches", "wait_for_extension_builds"]
@@ -85,12 +87,9 @@ def prebuild_extensions() -> list[str]:
     compiles them on first start. On a CPU machine that is DeepSpeed's ``deepspeed_shm_comm`` (gloo's shared-memory
     fast path); on GPUs DeepSpeed builds nothing bert_ds needs (FusedAdam is built at its first use). Returns the
     names built."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
     built = []
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder = shm_comm_builder()
+    if builder is not None:
         wait_for_extension_builds()
         builder.load()
         built.append(builder.NAME)
@@ -253,7 +252,7 @@ def release_shm_buffers() -> list[Path]:
         return []
     local_rank = os.environ.get("LOCAL_RANK", "0")
     removed = []
-    for seg in shm.glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{local_rank}"):
+    for seg in shm.glob(SHM_BUFFER_GLOB.format(addr=addr, port=port, local_rank=local_rank)):
         try:
             seg.unlink()
             removed.append(seg)

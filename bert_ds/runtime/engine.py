@@ -16,10 +16,10 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds.config import BertConfig
+from bert_ds.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings
 from bert_ds.model import BertForPreTraining
 from bert_ds.optim import GlobalNormClip, bind_optimizer, build_optimizer, warmup_poly_decay
 from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
-from bert_ds.runtime.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings
 
 __all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
            "own_stage0_clip", "resolve_precision"]

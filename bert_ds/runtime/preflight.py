@@ -385,7 +385,7 @@ def plan_run(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: in
     from deepspeed.accelerator import get_accelerator
 
     from bert_ds.data.tokenizer import load_tokenizer
-    from bert_ds.runtime.deepspeed_internals import check_deepspeed_version
+    from bert_ds.deepspeed_internals import check_deepspeed_version
     from bert_ds.runtime.engine import check_optimizer_support, resolve_precision
 
     check_deepspeed_version()  # bert_ds relies on DeepSpeed-version-specific internals

@@ -21,6 +21,7 @@ import torch
 from bert_ds import checkpoint as ckpt
 from bert_ds.data.batch import MODEL_INPUTS
 from bert_ds.data.workers import raise_if_worker_died
+from bert_ds.deepspeed_internals import loss_scale
 from bert_ds.model.unpad import host_counts
 from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint
@@ -311,7 +312,7 @@ def _save(plan: RunPlan, ph: _Phase, metrics, done: bool) -> None:
 
 def _loss_scale(te) -> float | None:
     """The fp16 dynamic loss scale (None in fp32/bf16, which need none)."""
-    return getattr(te.engine.optimizer, "cur_scale", None) if te.precision == "fp16" else None
+    return loss_scale(te.engine.optimizer) if te.precision == "fp16" else None
 
 
 def _log_step(plan: RunPlan, ph: _Phase, rec: StepRecord, metrics) -> None:

@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import psutil
 
+from bert_ds.deepspeed_internals import LAUNCH_MODULE
+
 __all__ = ["watch_runner"]
 
 log = logging.getLogger("bert_ds.runtime.pretrain")
-_LAUNCH_MODULE = "deepspeed.launcher.launch"
 
 
 def _runner() -> psutil.Process | None:
@@ -26,7 +27,7 @@ def _runner() -> psutil.Process | None:
     launcher: torchrun, srun, mpirun, or a single process)."""
     try:
         launch = psutil.Process().parent()
-        if launch is None or _LAUNCH_MODULE not in " ".join(launch.cmdline()):
+        if launch is None or LAUNCH_MODULE not in " ".join(launch.cmdline()):
             return None
         return launch.parent()
     except psutil.Error:

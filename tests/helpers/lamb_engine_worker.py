@@ -169,7 +169,7 @@ def slice_ratio_error(got: torch.Tensor, want: torch.Tensor, cut: int) -> float:
 
 def _cut_tensors(te, names: list[str]) -> dict[str, int]:
     """Tensors cut by a partition boundary at ZeRO 1/2: name -> flat offset of the (first) cut inside the tensor."""
-    from bert_ds.runtime.deepspeed_internals import zero_partition_map
+    from bert_ds.deepspeed_internals import zero_partition_map
 
     zmap = zero_partition_map(te.engine.optimizer)
     cuts = {}
@@ -186,7 +186,7 @@ def _full_gradients(te, received: list[torch.Tensor], names: list[str]) -> dict[
     """Full per-tensor gradients from each group's received partition gradient (all-gathered over the ranks)."""
     import deepspeed.comm as dist
 
-    from bert_ds.runtime.deepspeed_internals import zero_partition_map
+    from bert_ds.deepspeed_internals import zero_partition_map
 
     zmap = zero_partition_map(te.engine.optimizer)
     out = {}

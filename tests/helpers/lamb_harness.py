@@ -194,7 +194,7 @@ def _precision_job(job: str) -> tuple[str, int, str, str | None]:
 
 def _bit16_mismatches(zero_optimizer) -> int:
     """Elements of this rank's bit16 partitions that differ from its fp32 master partitions rounded to bit16."""
-    from bert_ds.runtime.deepspeed_internals import zero_partition_map
+    from bert_ds.deepspeed_internals import zero_partition_map
 
     return sum(int((g.bit16_partition != g.flat.to(g.bit16_partition.dtype)).sum())
                for g in zero_partition_map(zero_optimizer).groups)
