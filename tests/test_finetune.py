@@ -141,6 +141,7 @@ def _assert_learned(metrics: dict, margin: float) -> None:
     assert after["accuracy"] >= chance + margin, metrics
 
 
+@pytest.mark.slow  # in-process CPU fine-tuning, minutes: the whole suite only
 def test_single_sentence_classification_learns(export_dir, documents, tmp_path, capsys):
     train, validation = _split(single_sentence_rows(*documents, per_class=240), 160)
     out = tmp_path / "model"
@@ -164,6 +165,7 @@ def test_single_sentence_classification_learns(export_dir, documents, tmp_path, 
     assert sum(hits) / len(hits) == pytest.approx(metrics["after"]["accuracy"], abs=1e-6)
 
 
+@pytest.mark.slow  # in-process CPU fine-tuning, minutes: the whole suite only
 def test_sentence_pair_classification_learns(export_dir, documents, tmp_path):
     train, validation = _split(licence_position_rows(*documents, count=640), 160)
     out = tmp_path / "model"
@@ -180,6 +182,7 @@ def test_sentence_pair_classification_learns(export_dir, documents, tmp_path):
     assert set(tokenizer(train[0]["a"], train[0]["b"])["token_type_ids"]) == {0, 1}
 
 
+@pytest.mark.slow  # in-process CPU fine-tuning, minutes: the whole suite only
 def test_token_classification_learns(export_dir, documents, tmp_path):
     docs, _ = documents
     train, validation = _split(token_rows(docs, 400), 100)

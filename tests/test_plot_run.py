@@ -16,6 +16,8 @@ from tests.helpers.runs import REPO, run_pretrain, write_recipe
 SCRIPT = Path(sys.executable).parent / "bert-ds-plot-run"
 TOOL = REPO / "tools" / "plot_run.py"
 
+pytestmark = pytest.mark.e2e  # a fixture trains on real ranks
+
 
 @pytest.fixture(scope="module")
 def short_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:

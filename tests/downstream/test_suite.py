@@ -21,6 +21,7 @@ def tiny_export(tokenizer_dir, tmp_path_factory) -> Path:
     return random_tiny_export(tokenizer_dir, tmp_path_factory.mktemp("suite_export"), seed=0)
 
 
+@pytest.mark.slow  # in-process CPU fine-tuning, minutes: the whole suite only
 def test_glue_suite_table(tiny_export, corpus_documents, tmp_path, capsys):
     glue = tmp_path / "glue"
     write_mnli(corpus_documents, glue / "MNLI", n_train=48, n_dev=24)
