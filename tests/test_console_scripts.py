@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # console script -> the tools/ file that wraps the same function.
 SCRIPTS = {
+    "bert-ds": None,  # the front door (bert_ds.cli): bert-ds <command>
     "bert-ds-train-tokenizer": "train_tokenizer.py",
     "bert-ds-create-shards": "create_shards.py",
     "bert-ds-verify-shards": "verify_shards.py",
@@ -85,10 +86,57 @@ def test_tool_file_is_a_thin_wrapper(filename):
 
 
 # bert-ds-pretrain names itself after its module: the deepspeed launcher runs it as `-m bert_ds.runtime.pretrain`.
-@pytest.mark.parametrize("name", sorted(set(SCRIPTS) - {"bert-ds-pretrain"}))
+@pytest.mark.parametrize("name", sorted(set(SCRIPTS) - {"bert-ds-pretrain", "bert-ds"}))
 def test_installed_script_prints_usage_under_its_own_name(name):
     script = Path(sys.executable).parent / name
     assert script.is_file(), f"{script} not installed; run `pip install -e .`"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith(f"usage: {name} "), result.stdout[:200]
+
+
+# ---- the front door (issue 22): bert-ds <command>, the aliases, the frozen flags -------------------------------------
+
+def test_every_command_has_its_alias_and_the_front_door_lists_them_all():
+    from bert_ds.cli import COMMANDS
+
+    entry_points = _entry_points()
+    assert set(entry_points) == {"bert-ds"} | {f"bert-ds-{name}" for name in COMMANDS}
+    assert entry_points["bert-ds"].value == "bert_ds.cli:main"
+    for name, (module, _) in COMMANDS.items():
+        assert entry_points[f"bert-ds-{name}"].value == f"{module}:main", name
+    listed = subprocess.run([str(Path(sys.executable).parent / "bert-ds"), "--help"], capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ")] == list(COMMANDS)
+
+
+def test_a_command_through_the_front_door_is_its_alias(capsys):
+    from bert_ds.cli import main
+
+    with pytest.raises(SystemExit) as through_door:
+        main(["make-hostfile", "--help"])
+    door = capsys.readouterr().out
+    with pytest.raises(SystemExit) as alias:
+        _entry_points()["bert-ds-make-hostfile"].load()(["--help"])
+    assert through_door.value.code == alias.value.code == 0 and door == capsys.readouterr().out
+    assert main(["no-such-command"]) == 2
+    assert "bert-ds: error: unknown command 'no-such-command'" in capsys.readouterr().err
+    assert main([]) == 2
+
+
+def test_the_cli_surface_is_frozen():
+    """Every flag of every command is in tests/assets/cli_surface.json: a flag cannot vanish (or appear) unnoticed.
+    After a deliberate change: python -m tests.helpers.cli_surface > tests/assets/cli_surface.json"""
+    import json
+
+    from tests.helpers.cli_surface import cli_surface
+
+    frozen = json.loads((REPO / "tests" / "assets" / "cli_surface.json").read_text())
+    now = cli_surface()
+    vanished = {c: sorted(set(frozen.get(c, [])) - set(now.get(c, []))) for c in frozen}
+    added = {c: sorted(set(now.get(c, [])) - set(frozen.get(c, []))) for c in now}
+    vanished = {c: f for c, f in vanished.items() if f}
+    added = {c: f for c, f in added.items() if f}
+    assert not vanished, f"flags removed: {vanished}"
+    assert not added, f"flags added (regenerate the file if deliberate): {added}"

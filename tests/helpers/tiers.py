@@ -84,12 +84,12 @@ def refuse_rank_launches(nodeid: str) -> Iterator[None]:
     original = subprocess.Popen
 
     class _NoRanksPopen(original):
-        def __init__(self, args, *rest, **kwargs):
+        def __new__(cls, args, *rest, **kwargs):  # refused before an object exists: no Popen.__del__ on a husk
             why = rank_launch(args, kwargs.get("env"))
             if why is not None:
                 raise RuntimeError(f"{nodeid} is not marked e2e but starts {why}: {args!r}; mark it "
                                    f"@pytest.mark.e2e (tests/helpers/tiers.py) or test the decision in-process")
-            super().__init__(args, *rest, **kwargs)
+            return super().__new__(cls)
 
     subprocess.Popen = _NoRanksPopen
     try:
