@@ -11,6 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from bert_ds.exit_codes import ExitCode
+
 __all__ = ["COMMANDS", "main", "usage"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -51,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         given = f"unknown command {argv[0]!r}" if argv else "no command given"
         sys.stderr.write(usage() + f"bert-ds: error: {given}; choose one of {', '.join(COMMANDS)}\n")
-        return 2
+        return ExitCode.BAD_INPUT
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[name][0])
     sys.argv[0] = f"bert-ds-{name}"  # argparse's prog where a command does not name its own

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.data.loader import LoaderWorkerError
+from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import load_recipe
 from bert_ds.runtime.preflight import RunPlan, StartPoint, plan_run
 from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
@@ -53,9 +54,9 @@ from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preempti
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
            "parse_args", "preflight", "train"]
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3
+EXIT_FAILED = ExitCode.FAILED
+EXIT_BAD_INPUT = ExitCode.BAD_INPUT
+EXIT_NONFINITE = ExitCode.NONFINITE
 log = logging.getLogger("bert_ds.runtime.pretrain")
 
 

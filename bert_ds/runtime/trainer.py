@@ -22,6 +22,7 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.data.batch import MODEL_INPUTS
 from bert_ds.data.workers import raise_if_worker_died
 from bert_ds.deepspeed_internals import loss_scale
+from bert_ds.exit_codes import ExitCode
 from bert_ds.model.unpad import host_counts
 from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint
@@ -29,7 +30,7 @@ from bert_ds.runtime.preflight import RunPlan, StartPoint
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
            "StepRecord", "run_phase", "train_step"]
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a Slurm requeue wrapper checks for
+EXIT_PREEMPTED = ExitCode.PREEMPTED
 log = logging.getLogger("bert_ds.runtime.pretrain")
 
 # Per-rank quantities a step sums over its micro batches; one all-reduce sums them over ranks. The flags are summed
