@@ -19,14 +19,14 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.config import BertConfig
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
 
-__all__ = ["NETWORK_FILESYSTEMS", "RunPlan", "StartPoint", "cache_dir_warnings", "filesystem_of", "plan_run"]
+__all__ = ["NETWORK_FILESYSTEMS", "RunArgs", "RunPlan", "StartPoint", "cache_dir_warnings", "filesystem_of", "plan_run"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,29 @@ NETWORK_FILESYSTEMS = frozenset({
 })
 """File-system types (the third field of /proc/mounts) shared between nodes: a compiler cache there is written by
 ranks of several nodes at once."""
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """The command line of a pre-training run, typed (``bert_ds.runtime.pretrain.parse_args`` builds it): what
+    pre-flight and the trainer read, so neither sees argparse."""
+
+    recipe: str
+    data: list[str]
+    output: str
+    tokenizer: str
+    resume: str = "none"
+    phase: str = "all"
+    max_steps: int | None = None
+    eval_data: list[str] | None = None
+    init_from_hf: str | None = None
+    num_workers: int = 1
+    verify_shards: str = "size"
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> RunArgs:
+        """The fields of ``namespace`` this class declares (argparse's extras, e.g. ``local_rank``, are dropped)."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -56,7 +79,7 @@ class StartPoint:
 
 @dataclass
 class RunPlan:
-    args: argparse.Namespace
+    args: RunArgs
     recipe: Recipe
     rank: int
     world_size: int
@@ -152,14 +175,14 @@ def _phase_dirs(dirs: list[str] | None, phases: list[int], n_phases: int, flag: 
     raise ValueError(f"{flag}: got {len(dirs)} directories for a recipe with {n_phases} phase(s); give one per phase")
 
 
-def _selected_phases(args: argparse.Namespace, recipe: Recipe) -> list[int]:
+def _selected_phases(args: RunArgs, recipe: Recipe) -> list[int]:
     n = len(recipe.phases)
     if args.phase == "2" and n < 2:
         raise ValueError(f"--phase 2: recipe {args.recipe} has only {n} phase")
     return list(range(n)) if args.phase == "all" else [int(args.phase) - 1]
 
 
-def _model_config(args: argparse.Namespace, recipe: Recipe, tokenizer) -> BertConfig:
+def _model_config(args: RunArgs, recipe: Recipe, tokenizer) -> BertConfig:
     config = recipe.model_config(tokenizer.vocab_size)
     if not args.init_from_hf:
         return config
@@ -176,7 +199,7 @@ def _model_config(args: argparse.Namespace, recipe: Recipe, tokenizer) -> BertCo
     return hf_config
 
 
-def _check_init_vocabulary(args: argparse.Namespace, tokenizer) -> None:
+def _check_init_vocabulary(args: RunArgs, tokenizer) -> None:
     """The checkpoint's embedding row ``i`` is the token its own vocabulary puts at id ``i``: it must be the token
     ``--tokenizer`` (and so the shards) put there, or training starts from rows that mean other words. The same size
     is not enough: a tokenizer trained on one's own corpus at BERT's 30,522 has other ids than the hub's."""
@@ -229,7 +252,7 @@ def _casing(lowercase: bool) -> str:
     return "uncased" if lowercase else "cased"
 
 
-def _fresh_start(args: argparse.Namespace, phases: list[int], ckpt_dir: Path) -> StartPoint:
+def _fresh_start(args: RunArgs, phases: list[int], ckpt_dir: Path) -> StartPoint:
     if phases[0] > 0 and not args.init_from_hf:
         if args.resume == "none":
             raise ValueError("--phase 2 starts from phase 1's final checkpoint in --output (use --resume auto) "
@@ -239,7 +262,7 @@ def _fresh_start(args: argparse.Namespace, phases: list[int], ckpt_dir: Path) ->
     return StartPoint(phase=phases[0], step=0, tag=None, handoff=False)
 
 
-def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ckpt_dir: Path,
+def _start_point(args: RunArgs, recipe: Recipe, phases: list[int], ckpt_dir: Path,
                  tokenizer, model_config: BertConfig, rank: int, world_size: int) -> StartPoint:
     """Where the run starts: fresh, inside the newest intact checkpoint's phase, or at the next phase after it."""
     tag = ckpt.read_latest(ckpt_dir) if ckpt_dir.is_dir() else None
@@ -264,7 +287,7 @@ def _start_point(args: argparse.Namespace, recipe: Recipe, phases: list[int], ck
     return StartPoint(phase=state["phase"], step=state["step"], tag=tag, handoff=False, damaged=damaged)
 
 
-def _check_run_matches(ckpt_dir: Path, tag: str, args: argparse.Namespace, tokenizer, model_config: BertConfig) -> None:
+def _check_run_matches(ckpt_dir: Path, tag: str, args: RunArgs, tokenizer, model_config: BertConfig) -> None:
     """The tokenizer (vocabulary sha256, size, casing) and model config of this run are those ``tag`` was trained
     with: what the tag recorded (bert_ds >= issue 16), else the tokenizer copy and ``model_config.json`` beside it."""
     where = f"--resume auto: checkpoint {ckpt_dir / tag}"
@@ -380,7 +403,7 @@ def _nothing_to_do(plan: RunPlan) -> str | None:
     return None
 
 
-def plan_run(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int) -> RunPlan:
+def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPlan:
     """Check everything before compute and return the plan; raises ValueError/FileNotFoundError naming the culprit."""
     from deepspeed.accelerator import get_accelerator
 

@@ -48,7 +48,7 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.data.loader import LoaderWorkerError
 from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import load_recipe
-from bert_ds.runtime.preflight import RunPlan, StartPoint, plan_run
+from bert_ds.runtime.preflight import RunArgs, RunPlan, StartPoint, plan_run
 from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
@@ -60,7 +60,7 @@ EXIT_NONFINITE = ExitCode.NONFINITE
 log = logging.getLogger("bert_ds.runtime.pretrain")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
     p = argparse.ArgumentParser(prog="bert_ds.runtime.pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", required=True, help="recipe JSON (ds_configs/*.json)")
     p.add_argument("--data", nargs="+", required=True,
@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_steps is not None and args.max_steps < 1:
         p.error(f"--max-steps must be >= 1, got {args.max_steps}")
-    return args
+    return RunArgs.from_namespace(args)
 
 
 def _metrics_logger(plan: RunPlan):
@@ -158,7 +158,7 @@ def preflight(argv: Sequence[str], rank: int = 0, world_size: int = 1) -> RunPla
     return plan_run(args, load_recipe(args.recipe), rank, world_size)
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: RunArgs) -> int:
     """Run (or resume) the phases ``args`` select; returns the exit code."""
     from bert_ds.runtime.distributed import init_distributed, release_shm_buffers
 

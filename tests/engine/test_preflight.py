@@ -74,3 +74,17 @@ def test_refusals_name_the_culprit(synthetic_data, tmp_path):
         _plan(tmp_path, (synthetic_data[1], synthetic_data[0]))
     with pytest.raises(ValueError, match=r"phases\[0\].global_batch_size"):
         _plan(tmp_path, synthetic_data, world_size=3)
+
+
+def test_the_plan_carries_typed_arguments_not_argparse(synthetic_data, tmp_path):
+    """The trainer reads the run's arguments from a frozen RunArgs, never an argparse.Namespace."""
+    import argparse
+    import dataclasses
+
+    from bert_ds.runtime.preflight import RunArgs
+
+    plan = _plan(tmp_path, synthetic_data, "--max-steps", "3")
+    assert type(plan.args) is RunArgs and not isinstance(plan.args, argparse.Namespace)
+    assert plan.args.max_steps == 3 and plan.args.resume == "none"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.args.max_steps = 4
