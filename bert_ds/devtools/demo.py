@@ -543,7 +543,7 @@ def _pretraining_gain(out: Path, dirs: dict[str, Path], export_dir: Path, quick:
 def run_demo(out: Path, *, quick: bool = False, settings: DemoSettings | None = None,
              min_ratio: float | None = None) -> list[Score]:
     """All nine steps into ``out``; returns the export's held-out scores. Raises DemoError when a step fails or
-    (unless ``min_ratio`` is None) when an eval set's accuracy at [MASK] positions is below ``min_ratio`` times its
+    (unless ``min_ratio`` is None) when an eval set's masked-LM accuracy is below ``min_ratio`` times its unigram
     baseline or fine-tuning the export does not beat random init by ``MIN_GAIN`` (step 9)."""
     settings = settings or DemoSettings()
     out = Path(out)
