@@ -20,7 +20,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,6 @@ from bert_ds.data.reader import verify_shard_set
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.checkpoint_damage import rerecord_checksum
 from tests.helpers.faults import (
-    ERROR_LINE,
     FINAL_TAG,
     PHASE1_END,
     REPO,
@@ -55,6 +53,7 @@ from tests.helpers.faults import (
     signal_every_rank,
     tool_cmd,
 )
+from tests.helpers.faults import FaultCase as Case
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import assert_close_params, weights
 
@@ -572,21 +571,6 @@ def check_huge_lr(ctx: Ctx, out: Outcome) -> str:
 
 # ---- the table -----------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    item: str
-    """The issue's numbered item, "also" (its Also list) or "input" (bad input)."""
-    broken: str
-    setup: Callable[[Ctx], Launch]
-    exit_code: int
-    message: str
-    """Regex the first line of the message must match (``{culprit}``: the escaped ``Ctx.culprit``)."""
-    check: Callable[[Ctx, Outcome], str]
-    """Asserts that nothing was lost; returns what it verified, for the report."""
-    first_line: str = ERROR_LINE
-    """Which output line is the first of the message."""
-    marks: tuple = ()
 
 
 CASES = [

@@ -41,6 +41,7 @@ from tests.helpers.faults import (
     report_row,
     tree_bytes,
 )
+from tests.helpers.faults import FaultCase as Case
 from tests.helpers.ranks import REPO, rank_command
 
 pytestmark = pytest.mark.e2e
@@ -215,46 +216,41 @@ def check_forged_index(ctx: Ctx, out: Outcome) -> str:
     return _nothing_written(ctx, out) + "; the shard set unchanged"
 
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    item: str
-    broken: str
-    setup: Callable[[Ctx], Launch]
-    message: str
-    """Regex the first error line must match; ``{culprit}`` is the escaped path, port or pid the setup names."""
-    check: Callable[[Ctx, Outcome], str]
-    exit_code: int = 2
 
 
 CASES = [
     Case("create-shards-second-on-one-out", "6", "a second bert-ds-create-shards on the --out of one still writing",
-         second_create_on_one_out, r"being written by another create_shards \(pid {culprit}", check_second_create),
+         second_create_on_one_out,
+         message=r"being written by another create_shards \(pid {culprit}", check=check_second_create),
     Case("master-port-in-use", "7", "deepspeed --master_port P while another process listens on P, 2 ranks",
-         master_port_in_use, r"MASTER_PORT={culprit} is already in use", _nothing_written),
+         master_port_in_use, message=r"MASTER_PORT={culprit} is already in use", check=_nothing_written),
     Case("output-is-a-file", "7", "--output names an existing file, 2 ranks", output_is_a_file,
-         r"--output {culprit}: {culprit} is a file, not a directory", check_output_is_a_file),
+         message=r"--output {culprit}: {culprit} is a file, not a directory", check=check_output_is_a_file),
     Case("output-read-only-fs", "7", "--output on a read-only tmpfs, 2 ranks", output_read_only,
-         r"{culprit} is on a read-only file system", check_read_only),
+         message=r"{culprit} is on a read-only file system", check=check_read_only),
     Case("finetune-10mb-csv-cell", "7", "bert-ds-finetune --train a CSV with a 10 MB cell", csv_huge_cell,
-         r"{culprit}: line 3, column 1: line longer than " + str(8 * MAX_CELL_CHARS) + " bytes",
-         check_no_finetune_output),
+         message=r"{culprit}: line 3, column 1: line longer than " + str(8 * MAX_CELL_CHARS) + " bytes",
+         check=check_no_finetune_output),
     Case("finetune-non-utf8-csv", "7", "bert-ds-finetune --train a Latin-1 CSV", csv_not_utf8,
-         r"{culprit}: line 3, column 4: not UTF-8 \(byte 0xe9\)", check_no_finetune_output),
+         message=r"{culprit}: line 3, column 4: not UTF-8 \(byte 0xe9\)", check=check_no_finetune_output),
     Case("train-tokenizer-disk-full", "7", "bert-ds-train-tokenizer with writes failing past 4 KiB (RLIMIT_FSIZE)",
-         tokenizer_disk_full, r"writing vocab\.txt for {culprit}.*File too large", check_tokenizer_disk_full),
+         tokenizer_disk_full,
+         message=r"writing vocab\.txt for {culprit}.*File too large", check=check_tokenizer_disk_full),
     Case("index-total-samples-2e8", "8", "phase-1 index.json total_samples 2e8, 2 ranks",
-         _forged_index(total_samples=200_000_000), r"{culprit}: field 'total_samples' is 200000000, but its shards "
-         r"hold \d+", check_forged_index),
+         _forged_index(total_samples=200_000_000),
+         message=r"{culprit}: field 'total_samples' is 200000000, but its shards "
+         r"hold \d+", check=check_forged_index),
     Case("index-total-samples-1e30", "8", "phase-1 index.json total_samples 1e30, 2 ranks",
-         _forged_index(total_samples=1e30), r"{culprit}: field 'total_samples' is 1e\+30, need a non-negative integer",
-         check_forged_index),
+         _forged_index(total_samples=1e30),
+         message=r"{culprit}: field 'total_samples' is 1e\+30, need a non-negative integer",
+         check=check_forged_index),
     Case("index-max-predictions-string", "8", "phase-1 index.json masking.max_predictions \"20\", 2 ranks",
-         _forged_index(**{"masking.max_predictions": "20"}), r"{culprit}: field 'masking.max_predictions' is '20', "
-         r"need an integer", check_forged_index),
+         _forged_index(**{"masking.max_predictions": "20"}),
+         message=r"{culprit}: field 'masking.max_predictions' is '20', "
+         r"need an integer", check=check_forged_index),
     Case("index-max-predictions-1e15", "8", "phase-1 index.json masking.max_predictions 1e15, 2 ranks",
-         _forged_index(**{"masking.max_predictions": 10**15}), r"{culprit}: field 'masking.max_predictions' is "
-         r"1000000000000000", check_forged_index),
+         _forged_index(**{"masking.max_predictions": 10**15}), message=r"{culprit}: field 'masking.max_predictions' is "
+         r"1000000000000000", check=check_forged_index),
 ]
 
 

@@ -16,7 +16,6 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from tests.helpers.downstream_data import (
     write_token_jsonl,
 )
 from tests.helpers.faults import ERROR_LINE, Launch, Outcome, execute, report_row, tree_bytes
+from tests.helpers.faults import FaultCase as Case
 
 pytestmark = pytest.mark.e2e
 
@@ -256,46 +256,40 @@ def check_finetuned(ctx: Ctx, out: Outcome) -> str:
     return "nothing: fine-tuned with the model's own tokenizer (exit 0)"
 
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    item: str
-    broken: str
-    setup: Callable[[Ctx], Launch]
-    message: str | None
-    """Regex the first error line must match (``{culprit}``, ``{line}``, ``{model}`` filled in); None for a row
-    that must now succeed."""
-    check: Callable[[Ctx, Outcome], str]
-    exit_code: int = 2
 
 
 CASES = [
     Case("squad-answer-start-shifted", "3", "every training answer_start of a SQuAD v1.1 file on the context's "
-         "first word", squad_answer_start_shifted, r"{culprit}: line \d+, column data\[\d+\]\.paragraphs\[0\]\.qas"
+         "first word", squad_answer_start_shifted,
+         message=r"{culprit}: line \d+, column data\[\d+\]\.paragraphs\[0\]\.qas"
          r"\[0\]\.answers\[0\]\.answer_start: question 'q\d+': answer_start 0 holds .+, not the answer '",
-         _no_output),
+         check=_no_output),
     Case("token-tag-outside-iob", "3", "generic token JSONL in IOB tags with one tag written 'MISC'",
-         token_tag_outside_scheme, r"{culprit}: line {line}, column 'tags': tag 'MISC' is outside the IOB scheme",
-         _no_output),
+         token_tag_outside_scheme,
+         message=r"{culprit}: line {line}, column 'tags': tag 'MISC' is outside the IOB scheme",
+         check=_no_output),
     Case("dev-label-unseen", "3", "generic sequence task, dev label 'licnece' never in the training file",
-         dev_label_unseen, r"{culprit}: line {line}, column 'label': label 'licnece' does not occur in the training "
-         r"file", _no_output),
+         dev_label_unseen,
+         message=r"{culprit}: line {line}, column 'label': label 'licnece' does not occur in the training "
+         r"file", check=_no_output),
     Case("glue-rerun-other-model", "4", "bert-ds-glue into a finished --out with another --model and --epochs",
-         glue_rerun_other_model, r"{culprit}: a finished run of another setup: model_sha256 [0-9a-f]{12}\S* there, "
-         r"[0-9a-f]{12}\S* now", check_glue_unchanged),
+         glue_rerun_other_model,
+         message=r"{culprit}: a finished run of another setup: model_sha256 [0-9a-f]{12}\S* there, "
+         r"[0-9a-f]{12}\S* now", check=check_glue_unchanged),
     Case("tokenizer-other-vocab", "5", "--tokenizer with the model's vocabulary but ids 1996/1997 swapped",
-         tokenizer_other_vocab, r"id 1996: 'the' in {model}/vocab\.txt but 'of' in {culprit}", _no_output),
+         tokenizer_other_vocab,
+         message=r"id 1996: 'the' in {model}/vocab\.txt but 'of' in {culprit}", check=_no_output),
     Case("tokenizer-larger-than-embedding", "5", "model without tokenizer files, --tokenizer of 30530 tokens over "
-         "30522 embedding rows", tokenizer_larger_than_embedding, r"{culprit}: 30530 tokens, but {model}'s "
-         r"config\.vocab_size is 30522", _no_output),
+         "30522 embedding rows", tokenizer_larger_than_embedding, message=r"{culprit}: 30530 tokens, but {model}'s "
+         r"config\.vocab_size is 30522", check=_no_output),
     Case("squad-v2-threshold-reproduces", "7", "SQuAD v2.0 rerun with --null-threshold = the reported "
-         "best_f1_thresh", squad_v2_threshold_reproduces, None, check_threshold, exit_code=0),
+         "best_f1_thresh", squad_v2_threshold_reproduces, message=None, check=check_threshold, exit_code=0),
     Case("squad-default-lengths", "7", "bert-ds-finetune --task squad_v1 without --max-seq-length/--doc-stride",
-         squad_default_lengths, None, check_default_lengths, exit_code=0),
+         squad_default_lengths, message=None, check=check_default_lengths, exit_code=0),
     Case("glue-secondary-metrics", "7", "bert-ds-glue on MRPC and STS-B: accuracy and Pearson in the table",
-         glue_secondary_metrics, None, check_glue_columns, exit_code=0),
+         glue_secondary_metrics, message=None, check=check_glue_columns, exit_code=0),
     Case("casing-probe-unk", "7", "uncased model whose vocabulary cannot spell 'hello', its own tokenizer",
-         casing_probe_unk, None, check_finetuned, exit_code=0),
+         casing_probe_unk, message=None, check=check_finetuned, exit_code=0),
 ]
 
 

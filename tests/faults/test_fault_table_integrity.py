@@ -15,7 +15,6 @@ import contextlib
 import json
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,6 @@ import torch
 
 from bert_ds import checkpoint as ckpt
 from tests.helpers.faults import (
-    ERROR_LINE,
     FINAL_TAG,
     PHASE1_END,
     FaultContext,
@@ -36,6 +34,7 @@ from tests.helpers.faults import (
     tool_cmd,
     tree_bytes,
 )
+from tests.helpers.faults import FaultCase as Case
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import weights
 
@@ -383,16 +382,6 @@ def check_convert_while_training_prunes(ctx: Ctx, out: Outcome) -> str:
 
 # ---- the table ----------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    item: str
-    broken: str
-    setup: Callable[[Ctx], Launch]
-    exit_code: int
-    message: str
-    check: Callable[[Ctx, Outcome], str]
-    first_line: str = ERROR_LINE
 
 
 CASES = [

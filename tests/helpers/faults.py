@@ -150,6 +150,29 @@ class FaultContext:
 
 
 @dataclass(frozen=True)
+class FaultCase:
+    """One row of a fault table (every table uses this type): what is broken, the command its ``setup`` returns, the
+    exit code and first message line expected, and a ``check`` that nothing was lost."""
+
+    id: str
+    item: str
+    """The issue's numbered item, "also" (its Also list) or "input" (bad input)."""
+    broken: str
+    setup: Callable
+    """``setup(ctx) -> Launch``: prepares the fault and names the command."""
+    exit_code: int = 2
+    message: str | None = None
+    """Regex the first line of the message must match (``{culprit}``: the escaped ``ctx.culprit``); None: no error
+    line at all."""
+    check: Callable | None = None
+    """``check(ctx, outcome) -> str``: asserts that nothing was lost; returns what it verified, for the report."""
+    first_line: str = ERROR_LINE
+    """Which output line is the first of the message."""
+    marks: tuple = ()
+    """pytest marks of the row."""
+
+
+@dataclass(frozen=True)
 class Trigger:
     """Fire ``action(launcher)`` once, on the first output line matching ``pattern``."""
 
