@@ -23,6 +23,7 @@ import torch
 
 from bert_ds.checkpoint.layout import read_run_state, rng_file
 from bert_ds.deepspeed_internals import MODEL_STATES_NAME, ZERO_PARTITION_FILE
+from bert_ds.optim.schedule import keep_group_lrs, sync_groups_to_schedule
 from bert_ds.safe_load import CheckpointError, deepspeed_loads_weights_only, load_tensor_file
 
 __all__ = ["Handoff", "RestoredRun", "consolidated_state_dict", "load_rng_state", "open_handoff", "restore_run",
@@ -74,7 +75,8 @@ def _load_engine(engine, ckpt_dir: Path, tag: str, saved_world: int, world: int)
         from bert_ds.deepspeed_internals import recut_zero_partitions
 
         recut_zero_partitions(engine.optimizer, _zero_partitions(ckpt_dir / tag, saved_world), weights=True)
-    _apply_scheduler_lr(engine)
+    if engine.lr_scheduler is not None:
+        sync_groups_to_schedule(engine.lr_scheduler)
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,8 @@ class Handoff:
         tag_dir = self.ckpt_dir / self.tag
         if engine.zero_optimization_stage() == 0:
             optimizer = engine.optimizer
-            lrs = [group["lr"] for group in optimizer.param_groups]
-            optimizer.load_state_dict(load_tensor_file(tag_dir / MODEL_STATES_NAME)["optimizer"])
-            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr  # the new phase's schedule, not the old phase's last lr
+            with keep_group_lrs(optimizer):  # the new phase's schedule, not the old phase's last lr
+                optimizer.load_state_dict(load_tensor_file(tag_dir / MODEL_STATES_NAME)["optimizer"])
             states = list(optimizer.state.values())
         else:
             from bert_ds.deepspeed_internals import recut_zero_partitions
@@ -139,15 +139,6 @@ def zero_partition_files(tag_dir: str | Path) -> list[Path]:
     """The ZeRO 1/2 optimizer partition files of a tag (fp32/fp16 or bf16 naming), in saved-rank order."""
     found = [(int(m.group(1)), f) for f in Path(tag_dir).iterdir() if (m := ZERO_PARTITION_FILE.match(f.name))]
     return [f for _, f in sorted(found)]
-
-
-def _apply_scheduler_lr(engine) -> None:
-    """``LambdaLR.load_state_dict`` restores the step count but leaves the optimizer's lr at the fresh schedule's first
-    value until the next ``scheduler.step()``; the first resumed step must use the saved next lr."""
-    scheduler = engine.lr_scheduler
-    if scheduler is not None:
-        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
 
 
 def load_rng_state(path: Path) -> None:

@@ -10,13 +10,18 @@
 NVIDIA DeepLearningExamples BERT (``schedulers.PolyWarmUpScheduler``, degree 0.5) instead decays
 ``(1 - n / T) ** p`` from the phase start, so its lr drops at the end of warmup; ``decay_from_start=True``
 reproduces it.
+
+This module also owns the schedule's state across a load (resume, phase hand-off, a changed peak): what the optimizer's
+param groups hold after one (:func:`sync_groups_to_schedule`, :func:`keep_group_lrs`, :func:`rescale_peak`), so no
+other module writes ``group["lr"]``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
-__all__ = ["NVIDIA_BERT_POWER", "warmup_poly_decay"]
+__all__ = ["NVIDIA_BERT_POWER", "keep_group_lrs", "rescale_peak", "sync_groups_to_schedule", "warmup_poly_decay"]
 
 NVIDIA_BERT_POWER = 0.5
 """NVIDIA DeepLearningExamples BERT ``PolyWarmUpScheduler(degree=0.5)``."""
@@ -44,3 +49,32 @@ def warmup_poly_decay(total_steps: int, warmup_fraction: float, power: float = N
         return ((total_steps - n) / (total_steps - warmup_steps)) ** power
 
     return factor
+
+
+def sync_groups_to_schedule(scheduler) -> None:
+    """Every param group's lr := the schedule's current value. ``LambdaLR.load_state_dict`` restores the step count
+    but leaves the groups at the fresh schedule's first lr until the next ``scheduler.step()``: the first resumed step
+    must use the saved schedule's next lr."""
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
+@contextlib.contextmanager
+def keep_group_lrs(optimizer) -> Iterator[None]:
+    """Loading another phase's optimizer state (its moments) inside the block keeps this phase's lrs: the new phase's
+    schedule, not the old phase's last lr (``optimizer.load_state_dict`` replaces the groups' hyperparameters)."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    yield
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
+def rescale_peak(scheduler, peak: float) -> None:
+    """A schedule restored with another peak lr (``base_lrs``) continues at ``peak`` from the same position (warm-up or
+    decay step kept): the groups' lr, ``initial_lr`` and the scheduler's last lr all follow."""
+    scheduler.base_lrs = [peak for _ in scheduler.base_lrs]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler._last_lr = [peak * factor for _ in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr, strict=True):
+        group["lr"] = lr
+        group["initial_lr"] = peak

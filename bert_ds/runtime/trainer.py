@@ -24,6 +24,7 @@ from bert_ds.data.workers import raise_if_worker_died
 from bert_ds.deepspeed_internals import loss_scale
 from bert_ds.exit_codes import ExitCode
 from bert_ds.model.unpad import host_counts
+from bert_ds.optim.schedule import rescale_peak
 from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint
 
@@ -260,13 +261,7 @@ def _apply_changed_lr(plan: RunPlan, ph: _Phase, saved: dict, tag: str) -> None:
     if plan.rank == 0:
         log.warning("resuming %s with phases[%d].lr=%g (checkpoint was made with %g): the schedule continues from "
                     "step %d at the new peak", tag, p, now, before, ph.step)
-    scheduler = ph.te.scheduler
-    scheduler.base_lrs = [now for _ in scheduler.base_lrs]
-    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
-    scheduler._last_lr = [now * factor for _ in scheduler.base_lrs]
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr, strict=True):
-        group["lr"] = lr
-        group["initial_lr"] = now
+    rescale_peak(ph.te.scheduler, now)
 
 
 def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:

@@ -60,3 +60,40 @@ def test_lambda_lr_drives_optimizer_lr():
 def test_bad_arguments(kw):
     with pytest.raises(ValueError):
         warmup_poly_decay(**kw)
+
+
+def _phase(peak: float, steps: int = 10, taken: int = 0):
+    from torch.optim.lr_scheduler import LambdaLR
+
+    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))]},
+                           {"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=peak)  # two groups
+    scheduler = LambdaLR(opt, warmup_poly_decay(steps, 0.2))
+    for _ in range(taken):
+        opt.step()
+        scheduler.step()
+    return opt, scheduler
+
+
+def test_the_schedule_state_survives_a_load_through_its_one_owner():
+    """Resume: a restored LambdaLR leaves the groups at the fresh schedule's first lr until sync; a hand-off keeps the
+    new phase's lrs across the old phase's optimizer state; a changed peak continues from the same position."""
+    from bert_ds.optim.schedule import keep_group_lrs, rescale_peak, sync_groups_to_schedule
+
+    saved_opt, saved = _phase(1e-3, taken=4)
+    opt, fresh = _phase(1e-3)
+    fresh.load_state_dict(saved.state_dict())
+    assert [g["lr"] for g in opt.param_groups] != saved.get_last_lr()  # what the sync is for
+    sync_groups_to_schedule(fresh)
+    assert [g["lr"] for g in opt.param_groups] == saved.get_last_lr() == [g["lr"] for g in saved_opt.param_groups]
+
+    phase2, _ = _phase(4e-3)
+    with keep_group_lrs(phase2):
+        phase2.load_state_dict(saved_opt.state_dict())
+    assert [g["lr"] for g in phase2.param_groups] == [4e-3 / 2, 4e-3 / 2]  # warm-up step 1 of 2
+
+    rescale_peak(fresh, 5e-4)
+    expected = 5e-4 * warmup_poly_decay(10, 0.2)(4)
+    assert [g["lr"] for g in opt.param_groups] == [expected, expected] == fresh.get_last_lr()
+    opt.step()
+    fresh.step()
+    assert fresh.get_last_lr() == [5e-4 * warmup_poly_decay(10, 0.2)(5)] * 2
