@@ -56,7 +56,7 @@ fi
 
 # Compiler caches on node-local storage, per job: the defaults sit in the home directory, on a cluster usually NFS
 # or Lustre, where ranks of several nodes compiling the same Triton kernel race (triton#2688, #11512; PR#11319).
-# bert_ds.runtime.launch.node_local_caches applies the same rule to ranks started without this script.
+# bert_ds.runtime.caches.node_local_caches applies the same rule to ranks started without this script.
 job_tmp=${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$job_tmp/triton}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$job_tmp/torch_extensions}

@@ -11,90 +11,19 @@ import logging
 import os
 import random
 import socket
-import sys
-import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bert_ds.deepspeed_internals import SHM_BUFFER_GLOB, shm_comm_builder
+from bert_ds.deepspeed_internals import SHM_BUFFER_GLOB
+from bert_ds.runtime.caches import use_node_local_caches, wait_for_extension_builds
 
-__all__ = ["EXTENSION_LOCK_STALE_S", "check_master_addr", "extension_build_locks", "free_port", "init_distributed",
-           "launch_path", "leave_process_group", "leave_process_group_at_exit", "prebuild_extensions",
-           "release_shm_buffers", "seed_everything", "use_node_local_caches", "wait_for_extension_builds"]
+__all__ = ["check_master_addr", "free_port", "init_distributed", "launch_path", "leave_process_group",
+           "leave_process_group_at_exit", "release_shm_buffers", "seed_everything"]
 
 log = logging.getLogger(__name__)
-
-EXTENSION_LOCK_STALE_S = float(os.environ.get("BERT_DS_EXTENSION_LOCK_STALE_S", 1800))
-"""A torch-extension build lock older than this is taken to be left by a killed build. DeepSpeed's CPU
-``deepspeed_shm_comm`` builds in about a minute on 2 cores; CUDA ops in a few minutes."""
-
-
-def _extensions_root() -> Path:
-    """Where torch builds JIT extensions (the rule of ``torch.utils.cpp_extension._get_build_directory``, torch 2.x:
-    ``$TORCH_EXTENSIONS_DIR`` or the user cache's ``torch_extensions/py<ver>_<cpu|cu<ver>|rocm<ver>>``)."""
-    import torch.utils.cpp_extension as cpp
-
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    if torch.version.hip is not None:
-        accel = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accel = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accel = "cpu"
-    return Path(cpp.get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accel}"
-
-
-def extension_build_locks() -> list[tuple[Path, float]]:
-    """The build locks present in the torch extensions directory, with their age in seconds."""
-    root = _extensions_root()
-    now = time.time()
-    locks = []
-    for lock in sorted(root.glob("*/lock")) if root.is_dir() else []:
-        try:
-            locks.append((lock, now - lock.stat().st_mtime))
-        except FileNotFoundError:  # the build finished between glob and stat
-            continue
-    return locks
-
-
-def wait_for_extension_builds(stale_after_s: float = EXTENSION_LOCK_STALE_S, poll_s: float = 10.0) -> None:
-    """Never wait silently on an extension build lock: torch's ``FileBaton`` waits forever on a lock a killed build
-    left behind. A lock older than ``stale_after_s`` is an error naming the file to remove; a younger one (a build in
-    progress, e.g. another rank's) is waited for, with a log line every minute, until it goes or turns stale."""
-    last_note = 0.0
-    while True:
-        locks = extension_build_locks()
-        if not locks:
-            return
-        lock, age = max(locks, key=lambda item: item[1])
-        if age >= stale_after_s:
-            raise ValueError(f"{lock} is {age:.0f} s old: a torch/DeepSpeed extension build that was killed left this "
-                             f"lock, and every start would wait on it forever. Remove it (rm {lock}) and start again "
-                             f"(limit: BERT_DS_EXTENSION_LOCK_STALE_S={stale_after_s:.0f})")
-        if time.monotonic() - last_note >= 60:
-            log.warning("waiting for the extension build holding %s (%.0f s old; treated as stale after %.0f s)",
-                        lock, age, stale_after_s)
-            last_note = time.monotonic()
-        time.sleep(poll_s)
-
-
-def prebuild_extensions() -> list[str]:
-    """Build ahead of time the JIT extensions a bert_ds run loads (``make venv`` calls this), so no training job
-    compiles them on first start. On a CPU machine that is DeepSpeed's ``deepspeed_shm_comm`` (gloo's shared-memory
-    fast path); on GPUs DeepSpeed builds nothing bert_ds needs (FusedAdam is built at its first use). Returns the
-    names built."""
-    built = []
-    builder = shm_comm_builder()
-    if builder is not None:
-        wait_for_extension_builds()
-        builder.load()
-        built.append(builder.NAME)
-    return built
-
 
 def launch_path(env: Mapping[str, str]) -> str:
     """Which launcher started this process: ``launcher`` (deepspeed/torchrun: RANK is set), ``mpirun`` (Open MPI's
@@ -149,18 +78,6 @@ def free_port() -> int:
 
 def _env_single_process() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-
-
-def use_node_local_caches(env: MutableMapping[str, str]) -> dict[str, str]:
-    """Point the Triton and torch-extension caches at node-local storage inside a Slurm job, unless the user set them
-    (:func:`bert_ds.runtime.launch.node_local_caches`); returns what was set. Called before anything compiles."""
-    from bert_ds.runtime.launch import node_local_caches
-
-    chosen = node_local_caches(env)
-    env.update(chosen)
-    for var, path in chosen.items():
-        log.info("%s=%s (node-local for this Slurm job; export %s to choose another)", var, path, var)
-    return chosen
 
 
 def check_master_addr(env: Mapping[str, str]) -> None:

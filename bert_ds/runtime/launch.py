@@ -17,8 +17,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["NODE_LOCAL_CACHE_VARS", "format_hostfile", "hosts_from_list", "hosts_from_slurm", "main",
-           "node_local_caches", "parse_tasks_per_node", "slurm_hostnames", "slurm_master_port", "write_hostfile"]
+__all__ = ["format_hostfile", "hosts_from_list", "hosts_from_slurm", "main", "parse_tasks_per_node", "slurm_hostnames",
+           "slurm_master_port", "write_hostfile"]
 
 Host = tuple[str, int]
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -44,24 +44,6 @@ def slurm_master_port(env: Mapping[str, str]) -> int:
     """A rendezvous port every task of one job agrees on and concurrent jobs on a node rarely share: 20000 +
     ``SLURM_JOB_ID`` mod 20000 (``slurm/pretrain_common.sh`` uses the same rule)."""
     return 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
-
-
-NODE_LOCAL_CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCH_EXTENSIONS_DIR": "torch_extensions"}
-"""Compiler caches a job's ranks write at start-up, and their folder name under the job's node-local directory."""
-
-
-def node_local_caches(env: Mapping[str, str]) -> dict[str, str]:
-    """Inside a Slurm job, the cache variables to set: each of ``NODE_LOCAL_CACHE_VARS`` the user left unset goes to
-    ``${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/<name>`` (``slurm/pretrain_common.sh`` uses the same rule). The defaults
-    sit in the home directory, which on a cluster is usually NFS or Lustre, where ranks of several nodes compiling the
-    same Triton kernel race on one cache entry (triton#2688, #11512; fixed for some cases by PR#11319) and torch's
-    extension build lock can be left behind. Node-local per job: ranks of one node share a local file system, whose
-    renames are atomic. Outside Slurm nothing is set (pre-flight warns when a cache sits on a network file system)."""
-    job = env.get("SLURM_JOB_ID")
-    if not job:
-        return {}
-    root = f"{env.get('TMPDIR') or '/tmp'}/bert_ds-{job}"
-    return {var: f"{root}/{name}" for var, name in NODE_LOCAL_CACHE_VARS.items() if not env.get(var)}
 
 
 def parse_tasks_per_node(value: str) -> list[int]:

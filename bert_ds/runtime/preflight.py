@@ -16,28 +16,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.config import BertConfig
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
+from bert_ds.runtime.caches import cache_dir_warnings
 
-__all__ = ["NETWORK_FILESYSTEMS", "RunArgs", "RunPlan", "StartPoint", "cache_dir_warnings", "filesystem_of", "plan_run"]
+__all__ = ["RunArgs", "RunPlan", "StartPoint", "plan_run"]
 
 log = logging.getLogger(__name__)
-
-NETWORK_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "beegfs", "glusterfs", "fuse.glusterfs", "ceph",
-    "fuse.ceph-fuse", "cephfs", "panfs", "wekafs", "fuse.sshfs", "9p", "afs", "orangefs", "pvfs2", "fuse.juicefs",
-    "fuse.gcsfuse", "fuse.s3fs", "fuse.lustre", "quobyte", "fuse.quobyte", "virtiofs",
-})
-"""File-system types (the third field of /proc/mounts) shared between nodes: a compiler cache there is written by
-ranks of several nodes at once."""
-
 
 @dataclass(frozen=True)
 class RunArgs:
@@ -110,59 +99,6 @@ class RunPlan:
     def first_step_of(self, phase: int) -> int:
         """Run-global step number of ``phase``'s step 0 (the step axis of the logs and of ``--max-steps``)."""
         return sum(ph.steps for ph in self.recipe.phases[:phase])
-
-
-def _unescape_mount(field: str) -> str:
-    """/proc/mounts writes a space in a mount point as ``\\040`` (and tab, newline, backslash likewise in octal)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def filesystem_of(path: str | Path, mounts_text: str) -> tuple[str, str]:
-    """(mount point, file-system type) holding ``path``, from the text of /proc/mounts: the longest mount point that
-    is a prefix of the path's real location (the path need not exist yet; its nearest existing parent decides)."""
-    target = Path(os.path.realpath(path))
-    best = ("/", "unknown")
-    for line in mounts_text.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point, fstype = _unescape_mount(fields[1]), fields[2]
-        if (target == Path(point) or Path(point) in target.parents) and len(point) >= len(best[0]):
-            best = (point, fstype)
-    return best
-
-
-def _default_cache_dirs(env: Mapping[str, str]) -> dict[str, str]:
-    """Where Triton (3.x: ``$TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache``, home by default) and torch's
-    JIT extensions write, as they would resolve it under ``env``."""
-    from bert_ds.runtime.distributed import _extensions_root
-
-    triton = env.get("TRITON_CACHE_DIR") or os.path.join(env.get("TRITON_HOME") or os.path.expanduser("~"),
-                                                        ".triton", "cache")
-    torch_ext = env.get("TORCH_EXTENSIONS_DIR") or str(_extensions_root())
-    return {"TRITON_CACHE_DIR": triton, "TORCH_EXTENSIONS_DIR": torch_ext}
-
-
-def cache_dir_warnings(env: Mapping[str, str] | None = None, mounts_text: str | None = None) -> list[str]:
-    """One warning per compiler cache that sits on a network file system (``NETWORK_FILESYSTEMS``): ranks on several
-    nodes then compile into one cache at once, which raced in Triton's cache (triton#2688, #11512: corrupt kernels,
-    once all-NaN output) and leaves torch's extension build locks behind. ``mounts_text``: /proc/mounts' text."""
-    env = os.environ if env is None else env
-    if mounts_text is None:
-        try:
-            mounts_text = Path("/proc/mounts").read_text()
-        except OSError:  # not Linux: nothing to check against
-            return []
-    warnings = []
-    for var, path in _default_cache_dirs(env).items():
-        point, fstype = filesystem_of(path, mounts_text)
-        if fstype in NETWORK_FILESYSTEMS:
-            source = "" if env.get(var) else " (the default)"
-            warnings.append(f"{var}={path}{source} is on a network file system ({fstype} mounted at {point}): ranks "
-                            f"of several nodes compiling into one cache race (triton#2688); export {var} as a "
-                            f"node-local directory, e.g. ${{TMPDIR:-/tmp}}/bert_ds-$SLURM_JOB_ID/"
-                            f"{'triton' if var == 'TRITON_CACHE_DIR' else 'torch_extensions'}")
-    return warnings
 
 
 def _phase_dirs(dirs: list[str] | None, phases: list[int], n_phases: int, flag: str) -> dict[int, str]:

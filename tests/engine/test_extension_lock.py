@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bert_ds.runtime.distributed import wait_for_extension_builds
+from bert_ds.runtime.caches import wait_for_extension_builds
 from bert_ds.runtime.pretrain import EXIT_BAD_INPUT
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO, write_recipe
@@ -46,7 +46,7 @@ def test_build_in_progress_is_waited_for_out_loud(tmp_path, monkeypatch, caplog)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = _lock(tmp_path, age_s=5)
     threading.Timer(1.0, lock.unlink).start()  # the "build" finishes after a second
-    with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.distributed"):
+    with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"):
         wait_for_extension_builds(stale_after_s=600, poll_s=0.1)
     assert not lock.exists() and any(str(lock) in r.getMessage() for r in caplog.records)
 

@@ -8,9 +8,7 @@ import logging
 
 import pytest
 
-from bert_ds.runtime.distributed import use_node_local_caches
-from bert_ds.runtime.launch import node_local_caches
-from bert_ds.runtime.preflight import cache_dir_warnings, filesystem_of
+from bert_ds.runtime.caches import cache_dir_warnings, filesystem_of, node_local_caches, use_node_local_caches
 
 MOUNTS = """\
 /dev/nvme0n1p2 / ext4 rw,relatime 0 0
@@ -66,7 +64,7 @@ def test_slurm_job_gets_node_local_caches_unless_the_user_set_them():
 
 def test_use_node_local_caches_sets_the_environment(caplog):
     env = {"SLURM_JOB_ID": "99", "TMPDIR": "/scratch/local", "TORCH_EXTENSIONS_DIR": "/opt/ext"}
-    with caplog.at_level(logging.INFO, logger="bert_ds.runtime.distributed"):
+    with caplog.at_level(logging.INFO, logger="bert_ds.runtime.caches"):
         assert use_node_local_caches(env) == {"TRITON_CACHE_DIR": "/scratch/local/bert_ds-99/triton"}
     assert env["TRITON_CACHE_DIR"] == "/scratch/local/bert_ds-99/triton" and env["TORCH_EXTENSIONS_DIR"] == "/opt/ext"
     assert "TRITON_CACHE_DIR=/scratch/local/bert_ds-99/triton (node-local" in caplog.text

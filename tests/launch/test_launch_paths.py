@@ -53,10 +53,10 @@ class Case:
 def _env(**extra: str) -> dict[str, str]:
     # One thread per rank on every path: the thread count changes the order of float sums inside matmuls. The torch
     # extensions directory is set explicitly, as a user would, so jobs under Slurm reuse this machine's build instead of
-    # building DeepSpeed's CPU op again in their node-local default (bert_ds.runtime.launch.node_local_caches).
-    from bert_ds.runtime.distributed import _extensions_root
+    # building DeepSpeed's CPU op again in their node-local default (bert_ds.runtime.caches.node_local_caches).
+    from bert_ds.runtime.caches import extensions_root
 
-    return child_env(TORCH_EXTENSIONS_DIR=str(_extensions_root()), **extra)
+    return child_env(TORCH_EXTENSIONS_DIR=str(extensions_root()), **extra)
 
 
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:

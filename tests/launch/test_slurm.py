@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.runtime.distributed import _extensions_root
+from bert_ds.runtime.caches import extensions_root
 from tests.helpers import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def test_sbatch_runs_both_phases_with_one_srun_task_per_rank(shards_128, shards_
     env = {**os.environ, "RECIPE": str(recipe_path), "DATA128": str(shards_128), "DATA512": str(shards_512),
            "TOKENIZER": str(tokenizer_dir), "RUN_DIR": str(run), "PYTHON": sys.executable,
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": str(_extensions_root())}  # reuse this machine's build (not the job's node-local one)
+           "TORCH_EXTENSIONS_DIR": str(extensions_root())}  # reuse this machine's build (not the job's node-local one)
     # The script takes its sizes from the allocation: one node, one task per rank.
     cmd = ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
            "--time=15", f"--output={log}", f"--chdir={REPO}", str(REPO / "slurm" / "pretrain_large.sh")]

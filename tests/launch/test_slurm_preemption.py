@@ -53,12 +53,12 @@ def job_inputs(shards_128, shards_512, tokenizer_dir, tmp_path_factory):
 
 def _job_env(job_inputs, run: Path, **extra: str) -> dict[str, str]:
     recipe, (data128, data512), tokenizer, _ = job_inputs
-    from bert_ds.runtime.distributed import _extensions_root
+    from bert_ds.runtime.caches import extensions_root
 
     # TORCH_EXTENSIONS_DIR chosen by the "user" (the machine's build, made once); the Triton cache takes the scripts'
     # node-local default.
     return child_env(RECIPE=str(recipe), DATA128=str(data128), DATA512=str(data512), TOKENIZER=str(tokenizer),
-                     RUN_DIR=str(run), PYTHON=sys.executable, TORCH_EXTENSIONS_DIR=str(_extensions_root()), **extra)
+                     RUN_DIR=str(run), PYTHON=sys.executable, TORCH_EXTENSIONS_DIR=str(extensions_root()), **extra)
 
 
 def _sbatch_args(log_pattern: Path) -> list[str]:
