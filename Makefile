@@ -22,7 +22,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml tools/system_packages.sh
 	# torchvision requirement would replace the CPU torch above; the tests load timm/optim/lamb.py alone.
 	$(PIP) install --no-deps timm==1.0.31
 	# DeepSpeed compiles its CPU shared-memory comm extension on first use: build it now, not in the first job.
-	$(PY) -c "from bert_ds.runtime.caches import prebuild_extensions; print('built:', prebuild_extensions())"
+	$(PY) -c "from bert_ds.runtime.caches import load_extensions; print('built:', load_extensions())"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -5,33 +5,38 @@
   unless the user chose (:func:`node_local_caches`, :func:`use_node_local_caches`; ``slurm/pretrain_common.sh`` uses
   the same rule);
 * a warning when one sits on a network file system (:func:`cache_dir_warnings`, pre-flight);
-* torch's build locks: never waited on silently, a stale one refused naming the file
-  (:func:`wait_for_extension_builds`), and the build ``make venv`` does ahead of time (:func:`prebuild_extensions`).
+* builds under a lock that dies with its holder (:func:`holding_build_lock`): torch's own lock left by a killed
+  build is removed by the next start, which rebuilds; ``make venv`` builds ahead of time what every start loads
+  (:func:`load_extensions`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
+import socket
 import sys
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 import torch
 
 from bert_ds.deepspeed_internals import shm_comm_builder
 
-__all__ = ["EXTENSION_LOCK_STALE_S", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "cache_dir_warnings",
-           "extension_build_locks", "extensions_root", "filesystem_of", "node_local_caches", "prebuild_extensions",
-           "use_node_local_caches", "wait_for_extension_builds"]
+__all__ = ["HOLDER_LOCK_NAME", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "cache_dir_warnings",
+           "extension_build_locks", "extensions_root", "filesystem_of", "holding_build_lock", "load_extensions",
+           "node_local_caches", "use_node_local_caches"]
 
 log = logging.getLogger(__name__)
 
-EXTENSION_LOCK_STALE_S = float(os.environ.get("BERT_DS_EXTENSION_LOCK_STALE_S", 1800))
-"""A torch-extension build lock older than this is taken to be left by a killed build. DeepSpeed's CPU
-``deepspeed_shm_comm`` builds in about a minute on 2 cores; CUDA ops in a few minutes."""
+HOLDER_LOCK_NAME = ".bert_ds-build.flock"
+"""In the extension build directory: the lock every bert_ds process holds while it builds or loads an extension
+(:func:`holding_build_lock`). An OS file lock (``flock``): the kernel drops it when its holder dies, unlike torch's own
+``<extension>/lock`` file (``FileBaton``), which a killed build leaves behind for every later start to wait on."""
 
 
 def extensions_root() -> Path:
@@ -50,52 +55,63 @@ def extensions_root() -> Path:
     return Path(cpp.get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accel}"
 
 
-def extension_build_locks() -> list[tuple[Path, float]]:
-    """The build locks present in the torch extensions directory, with their age in seconds."""
+def extension_build_locks() -> list[Path]:
+    """torch's build locks (``<extension>/lock``) present in the extension build directory."""
     root = extensions_root()
-    now = time.time()
-    locks = []
-    for lock in sorted(root.glob("*/lock")) if root.is_dir() else []:
-        try:
-            locks.append((lock, now - lock.stat().st_mtime))
-        except FileNotFoundError:  # the build finished between glob and stat
-            continue
-    return locks
+    return sorted(root.glob("*/lock")) if root.is_dir() else []
 
 
-def wait_for_extension_builds(stale_after_s: float = EXTENSION_LOCK_STALE_S, poll_s: float = 10.0) -> None:
-    """Never wait silently on an extension build lock: torch's ``FileBaton`` waits forever on a lock a killed build
-    left behind. A lock older than ``stale_after_s`` is an error naming the file to remove; a younger one (a build in
-    progress, e.g. another rank's) is waited for, with a log line every minute, until it goes or turns stale."""
-    last_note = 0.0
-    while True:
-        locks = extension_build_locks()
-        if not locks:
-            return
-        lock, age = max(locks, key=lambda item: item[1])
-        if age >= stale_after_s:
-            raise ValueError(f"{lock} is {age:.0f} s old: a torch/DeepSpeed extension build that was killed left this "
-                             f"lock, and every start would wait on it forever. Remove it (rm {lock}) and start again "
-                             f"(limit: BERT_DS_EXTENSION_LOCK_STALE_S={stale_after_s:.0f})")
-        if time.monotonic() - last_note >= 60:
-            log.warning("waiting for the extension build holding %s (%.0f s old; treated as stale after %.0f s)",
-                        lock, age, stale_after_s)
-            last_note = time.monotonic()
-        time.sleep(poll_s)
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "an unnamed process"
+    except OSError:
+        return "an unnamed process"
 
 
-def prebuild_extensions() -> list[str]:
-    """Build ahead of time the JIT extensions a bert_ds run loads (``make venv`` calls this), so no training job
-    compiles them on first start. On a CPU machine that is DeepSpeed's ``deepspeed_shm_comm`` (gloo's shared-memory
-    fast path); on GPUs DeepSpeed builds nothing bert_ds needs (FusedAdam is built at its first use). Returns the
-    names built."""
-    built = []
+@contextlib.contextmanager
+def holding_build_lock(poll_s: float = 1.0) -> Iterator[None]:
+    """Hold :data:`HOLDER_LOCK_NAME` (waiting for a live holder, with a log line naming it every minute), then remove
+    torch's build locks left in the directory: every bert_ds process builds or loads extensions only while holding
+    this lock, so a torch lock present now was left by a builder that died. A killed build thus costs the next start
+    its rebuild time and no more. (A build by a program other than bert_ds in the same directory is not covered: give
+    bert_ds its own ``TORCH_EXTENSIONS_DIR``.)"""
+    root = extensions_root()
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / HOLDER_LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        last_note = None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if last_note is None or time.monotonic() - last_note >= 60:
+                    log.warning("waiting for the extension build of %s (holding %s)", _holder(path), path)
+                    last_note = time.monotonic()
+                time.sleep(poll_s)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        for lock in extension_build_locks():
+            log.warning("removing %s: left by an extension build that was killed (no bert_ds process holds %s)",
+                        lock, path)
+            lock.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def load_extensions() -> list[str]:
+    """Build (first time) or load the JIT extensions a bert_ds run uses, holding :func:`holding_build_lock`. On a CPU
+    machine that is DeepSpeed's ``deepspeed_shm_comm`` (gloo's shared-memory fast path); DeepSpeed then reuses the
+    loaded module (its op builders keep loaded ops), so its own start-up takes no build lock. On GPUs DeepSpeed builds
+    nothing bert_ds needs at start (FusedAdam is built at its first use). Returns the names loaded."""
     builder = shm_comm_builder()
-    if builder is not None:
-        wait_for_extension_builds()
+    if builder is None:
+        return []
+    with holding_build_lock():
         builder.load()
-        built.append(builder.NAME)
-    return built
+    return [builder.NAME]
 
 
 NETWORK_FILESYSTEMS = frozenset({

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from bert_ds.deepspeed_internals import SHM_BUFFER_GLOB
-from bert_ds.runtime.caches import use_node_local_caches, wait_for_extension_builds
+from bert_ds.runtime.caches import load_extensions, use_node_local_caches
 
 __all__ = ["check_master_addr", "free_port", "init_distributed", "launch_path", "leave_process_group",
            "leave_process_group_at_exit", "release_shm_buffers", "seed_everything"]
@@ -121,7 +121,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     backend = "gloo" if cpu else accel.communication_backend_name()
     if path != "mpirun":  # mpirun: DeepSpeed's discovery sets MASTER_ADDR to rank 0's own address
         check_master_addr(os.environ)
-    wait_for_extension_builds()  # DeepSpeed's backend builds its shm extension here on CPU, under a lock
+    load_extensions()  # DeepSpeed's CPU backend would build its shm extension under torch's lock; loaded here
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=path == "mpirun", distributed_port=port,

@@ -1,58 +1,87 @@
-"""A torch-extension build lock never makes a start wait silently: a stale one is one error naming the file (exit 2,
-before compute); a fresh one (a build in progress) is waited for with a log line and passes once it goes."""
+"""A torch-extension build lock never strands a start: bert_ds builds and loads extensions holding an OS file lock
+that dies with its holder (``bert_ds.runtime.caches.holding_build_lock``), so torch's own lock file left by a killed
+build is removed by the next start (which rebuilds, or finds the build done), and a live build is waited for out
+loud."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
-import threading
+import textwrap
 import time
 
 import pytest
 
-from bert_ds.runtime.caches import wait_for_extension_builds
-from bert_ds.runtime.pretrain import EXIT_BAD_INPUT
+from bert_ds.runtime.caches import HOLDER_LOCK_NAME, extensions_root, holding_build_lock
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO, write_recipe
 
 
-def _lock(root, age_s: float):
+def _torch_lock(root, age_s: float = 0.0):
     lock = root / "deepspeed_shm_comm" / "lock"
-    lock.parent.mkdir(parents=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
     os.utime(lock, (time.time() - age_s, time.time() - age_s))
     return lock
 
 
+def test_a_lock_without_a_live_holder_is_removed_at_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = _torch_lock(tmp_path, age_s=5)  # young: no staleness rule decides, the holder lock does
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.1):
+        assert not lock.exists()
+        assert (tmp_path / HOLDER_LOCK_NAME).read_text().startswith(f"pid {os.getpid()} on ")
+    assert time.monotonic() - start < 60  # a hang guard: no waiting happened (it would log "waiting for")
+    assert any(f"removing {lock}: left by an extension build that was killed" in r.getMessage()
+               for r in caplog.records)
+    assert not any("waiting for" in r.getMessage() for r in caplog.records)
+
+
+def test_a_live_build_is_waited_for_and_its_lock_kept(tmp_path, monkeypatch, caplog):
+    """Another process holds the build lock and torch's lock (a build in progress): the start waits, naming it, and
+    never touches that build's lock; the holder checks its lock is still there before it finishes."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, pathlib, sys, time
+        root = pathlib.Path({str(tmp_path)!r})
+        fd = os.open(root / {HOLDER_LOCK_NAME!r}, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, f"pid {{os.getpid()}} on testhost\\n".encode())
+        lock = root / "deepspeed_shm_comm" / "lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+        print("holding", flush=True)
+        time.sleep(2)
+        if not lock.exists():
+            sys.exit(3)  # someone removed the lock of a live build
+        lock.unlink()
+    """)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.1):
+        pass
+    assert holder.wait(timeout=HANG_GUARD_S) == 0
+    waits = [r.getMessage() for r in caplog.records if "waiting for the extension build" in r.getMessage()]
+    assert waits and f"pid {holder.pid} on testhost" in waits[0], caplog.text
+
+
 @pytest.mark.e2e
-def test_stale_lock_stops_a_real_start_naming_the_file(synthetic_data, tmp_path):
-    lock = _lock(tmp_path / "ext", age_s=7200)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+def test_a_killed_build_costs_the_next_start_nothing_more(synthetic_data, tmp_path):
+    """A real start on a build directory holding the finished build and torch's lock left by a killed one (2 hours
+    old): the start removes the lock, loads the extension and trains (exit 0); it used to wait 30 minutes and exit
+    2."""
+    ext = tmp_path / "ext"
+    shutil.copytree(extensions_root(), ext, symlinks=True, ignore=shutil.ignore_patterns(HOLDER_LOCK_NAME, "lock"))
+    lock = _torch_lock(ext, age_s=7200)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ext)}
     tokenizer = synthetic_data[0].parent / "tokenizer"
     proc = subprocess.run([sys.executable, "-m", "bert_ds.runtime.pretrain",
-                           "--recipe", str(write_recipe(tmp_path / "r.json")),
-                           "--data", *map(str, synthetic_data), "--tokenizer", str(tokenizer),
-                           "--output", str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)
-    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
-    error = [line for line in proc.stderr.splitlines() if line.startswith("bert_ds.runtime.pretrain: error:")]
-    assert len(error) == 1 and f"rm {lock}" in error[0], proc.stderr[-3000:]
-    assert not (tmp_path / "run").exists()
-
-
-def test_build_in_progress_is_waited_for_out_loud(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = _lock(tmp_path, age_s=5)
-    threading.Timer(1.0, lock.unlink).start()  # the "build" finishes after a second
-    with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"):
-        wait_for_extension_builds(stale_after_s=600, poll_s=0.1)
-    assert not lock.exists() and any(str(lock) in r.getMessage() for r in caplog.records)
-
-
-def test_lock_turning_stale_while_waiting_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    _lock(tmp_path, age_s=0)
-    with pytest.raises(ValueError, match="BERT_DS_EXTENSION_LOCK_STALE_S"):
-        wait_for_extension_builds(stale_after_s=0.5, poll_s=0.1)
+                           "--recipe", str(write_recipe(tmp_path / "r.json")), "--data", *map(str, synthetic_data),
+                           "--tokenizer", str(tokenizer), "--output", str(tmp_path / "run"), "--max-steps", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not lock.exists()
+    assert f"removing {lock}: left by an extension build that was killed" in proc.stderr, proc.stderr[-3000:]
