@@ -27,7 +27,7 @@ import torch
 
 from bert_ds.deepspeed_internals import shm_comm_builder
 
-__all__ = ["HOLDER_LOCK_NAME", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "cache_dir_warnings",
+__all__ = ["BRIEF_LOCK_S", "HOLDER_LOCK_NAME", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "cache_dir_warnings",
            "extension_build_locks", "extensions_root", "filesystem_of", "holding_build_lock", "load_extensions",
            "node_local_caches", "use_node_local_caches"]
 
@@ -37,6 +37,11 @@ HOLDER_LOCK_NAME = ".bert_ds-build.flock"
 """In the extension build directory: the lock every bert_ds process holds while it builds or loads an extension
 (:func:`holding_build_lock`). An OS file lock (``flock``): the kernel drops it when its holder dies, unlike torch's own
 ``<extension>/lock`` file (``FileBaton``), which a killed build leaves behind for every later start to wait on."""
+
+BRIEF_LOCK_S = 10.0
+"""torch takes its lock for every load, also of an up-to-date extension (``_jit_compile``), for well under a second; a
+lock younger than this may be such a load by a program that does not take :data:`HOLDER_LOCK_NAME` (DeepSpeed started
+by another tool): it is waited on until it goes or grows older, and only then removed."""
 
 
 def extensions_root() -> Path:
@@ -68,6 +73,23 @@ def _holder(path: Path) -> str:
         return "an unnamed process"
 
 
+def _remove_orphaned_locks(holder: Path, poll_s: float) -> None:
+    """With the holder lock held: torch's locks still present after :data:`BRIEF_LOCK_S` were left by a builder that
+    died; remove each, saying so."""
+    for lock in extension_build_locks():
+        while True:
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                break  # a brief load by another program ended
+            if age >= BRIEF_LOCK_S:
+                log.warning("removing %s: left by an extension build that was killed (no bert_ds process holds %s)",
+                            lock, holder)
+                lock.unlink(missing_ok=True)
+                break
+            time.sleep(poll_s)
+
+
 @contextlib.contextmanager
 def holding_build_lock(poll_s: float = 1.0) -> Iterator[None]:
     """Hold :data:`HOLDER_LOCK_NAME` (waiting for a live holder, with a log line naming it every minute), then remove
@@ -92,10 +114,7 @@ def holding_build_lock(poll_s: float = 1.0) -> Iterator[None]:
                 time.sleep(poll_s)
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        for lock in extension_build_locks():
-            log.warning("removing %s: left by an extension build that was killed (no bert_ds process holds %s)",
-                        lock, path)
-            lock.unlink(missing_ok=True)
+        _remove_orphaned_locks(path, poll_s)
         yield
     finally:
         os.close(fd)  # releases the flock

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from bert_ds.runtime import caches
 from bert_ds.runtime.caches import HOLDER_LOCK_NAME, extensions_root, holding_build_lock
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.runs import REPO, write_recipe
@@ -30,7 +31,7 @@ def _torch_lock(root, age_s: float = 0.0):
 
 def test_a_lock_without_a_live_holder_is_removed_at_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = _torch_lock(tmp_path, age_s=5)  # young: no staleness rule decides, the holder lock does
+    lock = _torch_lock(tmp_path, age_s=60)  # a minute: no 30-minute staleness rule, the holder lock decides
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.1):
         assert not lock.exists()
@@ -39,6 +40,31 @@ def test_a_lock_without_a_live_holder_is_removed_at_once(tmp_path, monkeypatch, 
     assert any(f"removing {lock}: left by an extension build that was killed" in r.getMessage()
                for r in caplog.records)
     assert not any("waiting for" in r.getMessage() for r in caplog.records)
+
+
+def test_a_brief_load_by_another_program_is_left_alone_and_a_young_orphan_goes_later(tmp_path, monkeypatch, caplog):
+    """torch takes its lock for a moment on every load, also in programs that do not take bert_ds's holder lock: a
+    young lock is waited on, not removed, while it lives; one that stays past BRIEF_LOCK_S is an orphan."""
+    import threading
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(caches, "BRIEF_LOCK_S", 1.0)
+    brief = _torch_lock(tmp_path)
+    removed_by_owner = []
+
+    def owner_releases():
+        brief.unlink()  # FileBaton.release: os.remove, which raises if someone else removed it first
+        removed_by_owner.append(True)
+
+    threading.Timer(0.3, owner_releases).start()
+    with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.05):
+        pass
+    time.sleep(0.5)
+    assert removed_by_owner == [True] and "removing" not in caplog.text
+    orphan = _torch_lock(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.05):
+        assert not orphan.exists()
+    assert f"removing {orphan}" in caplog.text
 
 
 def test_a_live_build_is_waited_for_and_its_lock_kept(tmp_path, monkeypatch, caplog):
