@@ -14,6 +14,8 @@ Layout::
             run_state.json               recipe, phase, step, consumed samples, loader state, world size (readable
                                          without torch; the same dict is DeepSpeed's client state)
             rng_rank00000.pt ...         python / numpy / torch CPU (+ CUDA) RNG states of each rank
+            vocab.txt                    the vocabulary the tag was trained with (checksummed with the tag: a
+                                         rewritten tokenizer/ is then named by its first differing id)
 
 Tags are ``phaseN-stepNNNNNN``; a tag is complete once its ``run_state.json`` exists (written last); ``<tag>.tmp`` (a
 save in progress), ``.<tag>.old`` (the tag being replaced) and ``.<tag>.deleting`` (a prune in progress) never parse
@@ -38,15 +40,18 @@ from bert_ds.config import BertConfig
 from bert_ds.data.tokenizer import META_NAME, load_tokenizer, read_lowercase
 from bert_ds.safe_load import CheckpointError
 
-__all__ = ["CHECKPOINT_DIR", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TOKENIZER_DIR_NAME", "CheckpointRef",
-           "CheckpointSaveError", "RunLockedError", "checkpoint_dir", "list_tags", "open_checkpoint", "parse_tag",
-           "read_latest", "read_model_config", "read_run_state", "remove_debris", "resolve_tag", "rng_file",
-           "set_aside_damaged", "tag_for", "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]
+__all__ = ["CHECKPOINT_DIR", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME",
+           "CheckpointRef", "CheckpointSaveError", "RunLockedError", "checkpoint_dir", "first_id_differing",
+           "list_tags", "open_checkpoint", "parse_tag", "read_latest", "read_model_config", "read_run_state",
+           "remove_debris", "resolve_tag", "rng_file", "set_aside_damaged", "tag_for", "tokenizer_dir",
+           "trained_vocabulary", "write_run_metadata"]
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_STATE_NAME = "run_state.json"
 MODEL_CONFIG_NAME = "model_config.json"
 TOKENIZER_DIR_NAME = "tokenizer"
+TAG_VOCAB_NAME = "vocab.txt"
+"""A copy of the trained vocabulary inside each tag, written by rank 0 at save."""
 _TAG = re.compile(r"^phase(\d+)-step(\d+)$")
 _TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
 
@@ -193,6 +198,22 @@ def trained_vocabulary(ckpt_dir: str | Path, tag: str) -> tuple[str | None, bool
     return sha, lowercase
 
 
+def first_id_differing(ckpt_dir: str | Path, tag: str, trained_sha: str, tokenizer) -> str:
+    """`` (id N: 'a' in X but 'b' in Y)`` naming the first id where ``tokenizer`` differs from the vocabulary ``tag``
+    was trained with, read from the tag's own copy (or, for a tag saved without one, the copy beside the tags) when
+    that copy is the trained one (its sha256 matches); else empty."""
+    from bert_ds.data.tokenizer import read_vocab, tokens_sha256, vocabulary_difference
+
+    for copy in (Path(ckpt_dir) / tag / TAG_VOCAB_NAME, Path(ckpt_dir) / TOKENIZER_DIR_NAME / "vocab.txt"):
+        try:
+            trained = read_vocab(copy)
+        except (OSError, ValueError):
+            continue
+        if tokens_sha256(trained) == trained_sha:
+            return f" ({vocabulary_difference(trained, tokenizer.vocab, str(copy), str(tokenizer.vocab_file))})"
+    return ""
+
+
 def _check_trained_tokenizer(ckpt_dir: Path, tag: str, tokenizer) -> None:
     """The tokenizer copy beside the tags must be what ``tag`` was trained with: a run directory whose ``tokenizer/``
     was rewritten would otherwise export the old weights with another vocabulary or casing. Tags saved before bert_ds
@@ -205,7 +226,8 @@ def _check_trained_tokenizer(ckpt_dir: Path, tag: str, tokenizer) -> None:
     trained_sha, trained_lower = state.get("vocab_sha256"), state.get("lowercase")
     if trained_sha is not None and trained_sha != tokenizer.vocab_sha256:
         raise CheckpointError(f"{ckpt_dir / tag} was trained with vocabulary sha256 {trained_sha[:16]}... but "
-                              f"{tok_dir / 'vocab.txt'} has {tokenizer.vocab_sha256[:16]}...: the tokenizer beside "
+                              f"{tok_dir / 'vocab.txt'} has {tokenizer.vocab_sha256[:16]}..."
+                              f"{first_id_differing(ckpt_dir, tag, trained_sha, tokenizer)}: the tokenizer beside "
                               f"the tags is not the one this checkpoint learned")
     if trained_lower is not None and trained_lower != tokenizer.lowercase:
         raise CheckpointError(f"{ckpt_dir / tag} was trained with lowercase={trained_lower} but {tok_dir} says "

@@ -28,6 +28,8 @@ import torch
 from bert_ds.checkpoint.integrity import CLIENT_STATE_KEY, file_digest, files_of_rank, gather_digests, seal_run_state
 from bert_ds.checkpoint.layout import (
     RUN_STATE_NAME,
+    TAG_VOCAB_NAME,
+    TOKENIZER_DIR_NAME,
     CheckpointSaveError,
     _any_rank,
     _fsync,
@@ -87,6 +89,9 @@ def _write_tag(engine, ckpt: Path, tmp_tag: str, run_state: dict, rank: int) -> 
         return exc, {}
     try:
         save_rng_state(rng_file(ckpt / tmp_tag, rank))
+        vocab = ckpt / TOKENIZER_DIR_NAME / "vocab.txt"
+        if rank == 0 and vocab.is_file():  # the trained vocabulary, checksummed with the tag
+            shutil.copyfile(vocab, ckpt / tmp_tag / TAG_VOCAB_NAME)
         return None, _sync_and_hash_own_files(ckpt / tmp_tag, rank)
     except (OSError, RuntimeError) as exc:
         return exc, {}

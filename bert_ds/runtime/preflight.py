@@ -229,7 +229,7 @@ def _check_run_matches(ckpt_dir: Path, tag: str, args: RunArgs, tokenizer, model
     where = f"--resume auto: checkpoint {ckpt_dir / tag}"
     saved_sha, saved_lower = ckpt.trained_vocabulary(ckpt_dir, tag)
     if saved_sha is not None and saved_sha != tokenizer.vocab_sha256:
-        first = _first_id_differing(ckpt_dir, saved_sha, tokenizer)
+        first = ckpt.first_id_differing(ckpt_dir, tag, saved_sha, tokenizer)
         raise ValueError(f"{where} was trained with vocabulary sha256 {saved_sha[:16]}... but --tokenizer "
                          f"{args.tokenizer} has {tokenizer.vocab_sha256[:16]}...{first}: "
                          f"resuming would train the old weights on other token ids. Use the original tokenizer or a "
@@ -247,21 +247,6 @@ def _check_run_matches(ckpt_dir: Path, tag: str, args: RunArgs, tokenizer, model
             raise ValueError(f"{where}: {ckpt_dir / ckpt.MODEL_CONFIG_NAME} field {field!r} is "
                              f"{saved_cfg.get(field)!r} but this run's model has {model_config.to_dict().get(field)!r}"
                              f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
-
-
-def _first_id_differing(ckpt_dir: Path, trained_sha: str, tokenizer) -> str:
-    """`` (id N: ...)`` naming the first id where ``tokenizer`` differs from the vocabulary the checkpoint was trained
-    with, read from the copy beside the tags when that copy is the trained one (its sha256 matches); else empty."""
-    from bert_ds.data.tokenizer import read_vocab, tokens_sha256, vocabulary_difference
-
-    copy = ckpt_dir / ckpt.TOKENIZER_DIR_NAME / "vocab.txt"
-    try:
-        trained = read_vocab(copy)
-    except (OSError, ValueError):
-        return ""
-    if tokens_sha256(trained) != trained_sha:
-        return ""
-    return f" ({vocabulary_difference(trained, tokenizer.vocab, str(copy), str(tokenizer.vocab_file))})"
 
 
 def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> tuple[str, tuple[str, ...]]:

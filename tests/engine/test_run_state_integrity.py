@@ -69,3 +69,24 @@ def test_damaged_tags_are_set_aside_and_never_counted_by_retention(tmp_path):
     assert prune_checkpoints(tmp_path, keep_last_k=2) == []
     assert list_tags(tmp_path) == ["phase1-step000002", "phase1-step000004"]
     assert (tmp_path / "phase1-step000003.damaged-2" / "f.pt").read_bytes() == b"x"
+
+
+def test_a_rewritten_tokenizer_is_named_by_its_first_differing_id(tmp_path):
+    """The tag keeps the vocabulary it was trained with (checksummed with it): a refusal names the first id at which
+    another tokenizer differs, even after the copy beside the tags was rewritten."""
+    from bert_ds.checkpoint import first_id_differing
+    from bert_ds.data.tokenizer import load_tokenizer, vocab_sha256
+
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "of", "and"]
+    tag = _fake_tag(tmp_path, "phase1-step000002", {"vocab.txt": ("\n".join(tokens) + "\n").encode()})
+    trained_sha = vocab_sha256(tag / "vocab.txt")
+    other = tmp_path / "tok"
+    other.mkdir()
+    tokens[5], tokens[6] = tokens[6], tokens[5]
+    (other / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "vocab.txt").write_text("\n".join(tokens) + "\n")  # the copy beside the tags, rewritten
+    found = first_id_differing(tmp_path, "phase1-step000002", trained_sha, load_tokenizer(other))
+    assert found == f" (id 5: 'the' in {tag / 'vocab.txt'} but 'of' in {other / 'vocab.txt'})"
+    (tag / "vocab.txt").unlink()  # a tag saved before tags kept it, and the copy beside them rewritten: nothing to name
+    assert first_id_differing(tmp_path, "phase1-step000002", trained_sha, load_tokenizer(other)) == ""

@@ -388,7 +388,7 @@ CASES = [
     Case("resume-other-tokenizer-same-size", "1", "--resume auto with another tokenizer of the same size (and shards "
          "made with it)", resume_other_tokenizer, 2,
          r"checkpoint .*phase1-step000002 was trained with vocabulary sha256 \w+\.\.\. but --tokenizer "
-         r".*tokenizer2 has \w+\.\.\. \(id 200: '.*' in .*checkpoints/tokenizer/vocab\.txt but '.*' in "
+         r".*tokenizer2 has \w+\.\.\. \(id 200: '.*' in .*phase1-step000002/vocab\.txt but '.*' in "
          r".*tokenizer2/vocab\.txt\)",
          check_resume_other_tokenizer),
     Case("resume-other-shard-set", "1", "--resume auto with another phase-1 shard set, same tokenizer",
@@ -407,7 +407,8 @@ CASES = [
          r".*cased is cased", _nothing_written),
     Case("convert-rewritten-vocab", "1, 2", "checkpoints/tokenizer/vocab.txt replaced by a same-size vocabulary",
          convert_rewritten_tokenizer, 2, r"^error: .*phase1-step000002 was trained with vocabulary sha256 \w+\.\.\. "
-         r"but .*tokenizer/vocab\.txt has", _no_export),
+         r"but .*tokenizer/vocab\.txt has \w+\.\.\. \(id 200: '.*' in .*phase1-step000002/vocab\.txt but '.*' in "
+         r".*tokenizer/vocab\.txt\)", _no_export),
     Case("convert-recased-tokenizer", "2", "checkpoints/tokenizer/tokenizer_meta.json says cased",
          convert_recased_tokenizer, 2, r"^error: .*phase1-step000002 was trained with lowercase=True but .*tokenizer "
          r"says lowercase=False", _no_export),
