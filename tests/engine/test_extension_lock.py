@@ -32,11 +32,9 @@ def _torch_lock(root, age_s: float = 0.0):
 def test_a_lock_without_a_live_holder_is_removed_at_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = _torch_lock(tmp_path, age_s=60)  # a minute: no 30-minute staleness rule, the holder lock decides
-    start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.1):
         assert not lock.exists()
         assert (tmp_path / HOLDER_LOCK_NAME).read_text().startswith(f"pid {os.getpid()} on ")
-    assert time.monotonic() - start < 60  # a hang guard: no waiting happened (it would log "waiting for")
     assert any(f"removing {lock}: left by an extension build that was killed" in r.getMessage()
                for r in caplog.records)
     assert not any("waiting for" in r.getMessage() for r in caplog.records)
@@ -48,7 +46,8 @@ def test_a_brief_load_by_another_program_is_left_alone_and_a_young_orphan_goes_l
     import threading
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(caches, "BRIEF_LOCK_S", 1.0)
+    # Generous while the owner lives (its release may be late on a loaded machine), short for the orphan below.
+    monkeypatch.setattr(caches, "BRIEF_LOCK_S", 600.0)
     brief = _torch_lock(tmp_path)
     removed_by_owner = []
 
@@ -56,11 +55,13 @@ def test_a_brief_load_by_another_program_is_left_alone_and_a_young_orphan_goes_l
         brief.unlink()  # FileBaton.release: os.remove, which raises if someone else removed it first
         removed_by_owner.append(True)
 
-    threading.Timer(0.3, owner_releases).start()
+    owner = threading.Timer(0.3, owner_releases)
+    owner.start()
     with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.05):
         pass
-    time.sleep(0.5)
+    owner.join()
     assert removed_by_owner == [True] and "removing" not in caplog.text
+    monkeypatch.setattr(caches, "BRIEF_LOCK_S", 0.5)
     orphan = _torch_lock(tmp_path)
     with caplog.at_level(logging.WARNING, logger="bert_ds.runtime.caches"), holding_build_lock(poll_s=0.05):
         assert not orphan.exists()
