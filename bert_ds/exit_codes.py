@@ -22,6 +22,10 @@ class ExitCode(IntEnum):
     already written is lost."""
     NONFINITE = 3
     """Non-finite loss or weights: the last good checkpoint is kept."""
+    STALLED = 124
+    """A rank made no progress for ``--step-timeout`` seconds (a stuck collective, a dead mount, a lost GPU): every
+    rank exits after a line naming the stalled ranks (host, local rank, pid) and what each last did; retryable with
+    ``--resume auto`` (124 is coreutils ``timeout``'s "timed out")."""
     PREEMPTED = 75
     """SIGTERM/SIGUSR1: checkpointed at the next step boundary; resubmit with ``--resume auto`` (``EX_TEMPFAIL`` of
     sysexits.h, "try again later", what a requeue wrapper checks for)."""
