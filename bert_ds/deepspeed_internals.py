@@ -20,11 +20,14 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where used: bert_ds.runtime.supervise reads these names without it
+    import torch
 
-__all__ = ["LAUNCH_MODULE", "LOSS_SCALE_ATTRIBUTE", "MODEL_STATES_NAME", "PICKLED_CLASSES", "SHM_BUFFER_GLOB",
-           "SHM_COMM_BUILDER", "SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES", "ZERO_CHECKPOINT_KEYS",
+__all__ = ["LAUNCH_MODULE", "LOSS_SCALE_ATTRIBUTE", "MODEL_STATES_NAME", "PICKLED_CLASSES", "RUNNER_MODULE",
+           "SHM_BUFFER_GLOB", "SHM_COMM_BUILDER", "SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES",
+           "ZERO_CHECKPOINT_KEYS",
            "ZERO_OPTIMIZER_ATTRIBUTES", "ZERO_OPTIMIZER_CLASS", "ZERO_OPTIMIZER_METHODS", "ZERO_PARTITION_FILE",
            "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version", "is_elastic_zero_state",
            "is_zero3_optimizer", "loss_scale", "quiet_moot_warnings", "recut_zero_partitions", "shm_comm_builder",
@@ -87,6 +90,9 @@ SHM_BUFFER_GLOB = "deepspeed_allreduce_buffer_*_{addr}_{port}_{local_rank}"
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"
 """The per-node launcher module the ``deepspeed`` runner starts, which starts the ranks."""
+
+RUNNER_MODULE = "deepspeed.launcher.runner"
+"""The module behind the ``deepspeed`` command (its ``main``); it installs no SIGTERM handler on one node."""
 
 
 def shm_comm_builder():
@@ -289,6 +295,8 @@ def recut_zero_partitions(zero_optimizer, saved_files: list[dict], weights: bool
 def _restore_zero_optimizer_state(zero, saved: list[dict]) -> None:
     """Merge each state tensor of the client optimizer (LAMB's ``exp_avg``/``exp_avg_sq``) from all saved partitions
     and cut this rank's partition out of it."""
+    import torch
+
     for i, group in enumerate(zero.optimizer.param_groups):
         flat = group["params"][0]
         parts = [sd[ZERO_CHECKPOINT_KEYS[1]][i] for sd in saved]

@@ -48,6 +48,8 @@ DEMO = "tests/test_demo.py::test_quick_demo_end_to_end_and_again"
 CI = ".ci/run"
 VENV = f"{CI} (make test builds .venv: Makefile target venv)"
 TWO_RANKS = "tests/faults/test_fault_table.py::test_fault"
+SUPERVISED = ("tests/faults/test_fault_table.py::test_fault, "
+              "tests/faults/test_fault_table_preemption.py::test_group_sigterm_checkpoints_exits_75_and_resumes_exactly")
 NO_SSH = "tests/launch/test_launch_paths.py::test_two_launchers_with_no_ssh_match_one_node"
 MPIRUN = "tests/launch/test_launch_paths.py::test_mpirun_matches_one_node"
 SLURM = "tests/launch/test_slurm.py::test_sbatch_runs_both_phases_with_one_srun_task_per_rank"
@@ -65,7 +67,7 @@ RULES: dict[str, list[Rule]] = {
         Rule(r"^make test", "covered", CI),
         Rule(r"^python3 -m venv|^pip install", "covered", VENV),
         Rule(r"^bert-ds-(train-tokenizer|create-shards|verify-shards) ", "run"),
-        Rule(r"^deepspeed --num_gpus 8 ", "covered", TWO_RANKS),
+        Rule(r"^bert-ds deepspeed --num_gpus 8 ", "covered", SUPERVISED),
         Rule(r"^bert-ds-make-hostfile --hosts", "run"),
         Rule(r"^deepspeed --hostfile hostfile bert_ds", "cannot", "pdsh and ssh to node0/node1; the --no_ssh form of "
              f"the same launch is {NO_SSH}"),
@@ -109,7 +111,7 @@ RULES: dict[str, list[Rule]] = {
         Rule(r"^bert-ds-gpu-check", "covered", GPU_CHECK),
     ],
     "docs/launching.md": [
-        Rule(r"^deepspeed --num_gpus 8 ", "covered", TWO_RANKS),
+        Rule(r"^bert-ds deepspeed --num_gpus 8 ", "covered", SUPERVISED),
         Rule(r"^bert-ds-make-hostfile --hosts", "run"),
         Rule(r"^deepspeed --hostfile hostfile --no_ssh", "covered", NO_SSH),
         Rule(r"^mpirun -np 16 -H node0:8", "covered", MPIRUN),

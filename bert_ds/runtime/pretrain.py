@@ -48,6 +48,7 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.data.loader import LoaderWorkerError
 from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import load_recipe
+from bert_ds.runtime import supervise
 from bert_ds.runtime.preflight import RunArgs, RunPlan, StartPoint, plan_run
 from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
 
@@ -102,7 +103,7 @@ def _metrics_logger(plan: RunPlan):
                          log_interval=recipe.logging.interval, world_size=plan.world_size)
 
 
-def run(plan: RunPlan) -> int:
+def run(plan: RunPlan, preemption: Preemption | None = None) -> int:
     """Run the planned phases in order; returns the exit code."""
     if plan.nothing_to_do:
         if plan.rank == 0:
@@ -114,7 +115,7 @@ def run(plan: RunPlan) -> int:
     if plan.rank == 0:
         ckpt.write_run_metadata(plan.run_dir, plan.recipe, plan.model_config, plan.args.tokenizer)
         ckpt.set_aside_damaged(plan.ckpt_dir, plan.start.damaged, plan.start.tag)
-    preemption = Preemption()
+    preemption = preemption or Preemption()
     metrics = _metrics_logger(plan)
     try:
         if plan.rank == 0:
@@ -158,15 +159,20 @@ def preflight(argv: Sequence[str], rank: int = 0, world_size: int = 1) -> RunPla
     return plan_run(args, load_recipe(args.recipe), rank, world_size)
 
 
-def train(args: RunArgs) -> int:
-    """Run (or resume) the phases ``args`` select; returns the exit code."""
+def train(args: RunArgs, preemption: Preemption | None = None) -> int:
+    """Run (or resume) the phases ``args`` select; returns the exit code. A pre-emption signal during start-up
+    (``preemption`` armed by ``main`` first thing) stops the rank before it joins the process group, or, once it
+    joined, before the first step (:func:`~bert_ds.runtime.trainer.run_phase`), having written nothing."""
     from bert_ds.runtime.distributed import init_distributed, release_shm_buffers
 
+    preemption = preemption or Preemption()
     _check_output(args.output)
     recipe = load_recipe(args.recipe)
+    if preemption.requested:
+        return preemption.stopped_during_startup("before joining the process group", None)
     rank, world_size = init_distributed(recipe.deepspeed.process_group_timeout_s)
     try:  # however the rank ends, init_distributed has it leave the process group at exit
-        return run(plan_run(args, recipe, rank, world_size))
+        return run(plan_run(args, recipe, rank, world_size), preemption)
     finally:
         release_shm_buffers()
 
@@ -178,10 +184,23 @@ def _error(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Arms the pre-emption handler first (SIGTERM/SIGUSR1 from here on end in exit 75, never 143), runs, and reports
+    the exit code to ``bert-ds deepspeed`` when it started this rank (:mod:`bert_ds.runtime.supervise`)."""
+    preemption = Preemption()
+    supervise.arm()
+    code = ExitCode.BAD_INPUT
+    try:
+        code = _main(argv, preemption)
+        return code
+    finally:
+        supervise.report_exit(code)
+
+
+def _main(argv: Sequence[str] | None, preemption: Preemption) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
-        return train(args)
+        return train(args, preemption)
     except (ValueError, FileNotFoundError) as exc:
         _error(str(exc))
         return EXIT_BAD_INPUT

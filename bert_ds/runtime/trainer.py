@@ -63,6 +63,22 @@ class Preemption:
         self.requested = True
         Preemption.last_signal = signum
 
+    def stopped_during_startup(self, where: str, last_tag: str | None, rank: int = 0) -> int:
+        """Exit 75 for a signal that came before the first step: nothing was trained, so nothing is saved."""
+        if rank == 0:
+            name = signal.Signals(Preemption.last_signal or signal.SIGTERM).name
+            print(f"pre-empted {where} ({name} during start-up): nothing trained or written since "
+                  f"{last_tag or 'the start'}; exit {EXIT_PREEMPTED}", flush=True)
+        return EXIT_PREEMPTED
+
+    def agreed(self, device) -> bool:
+        """Whether any rank was asked to stop: one all-reduce, so every rank takes the same branch."""
+        import deepspeed.comm as dist
+
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag)
+        return flag.item() > 0
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -402,6 +418,9 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
     target eval accuracy)."""
     recipe, phase = plan.recipe, plan.recipe.phases[p]
     ph = _start_phase(plan, p, start)
+    if preemption.agreed(ph.te.engine.device):  # a signal during start-up (or the hand-off): stop, nothing to save
+        code = preemption.stopped_during_startup(f"before phase {p + 1} step {ph.step + 1}", start.tag, plan.rank)
+        return PhaseOutcome(exit_code=code, last_tag=start.tag)
     guard = NonFiniteGuard(recipe.logging.max_nonfinite_steps, p, ph.te.precision, plan.rank)
     it = iter(ph.loader)
     ph.te.engine.train()

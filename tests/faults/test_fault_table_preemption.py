@@ -1,9 +1,11 @@
 """Fault-table rows for pre-emption by a process-group SIGTERM (issue 16 item 4): what Slurm pre-emption, scancel,
 systemd and ``docker stop`` do — every process of the job is signalled, the ranks' DataLoader workers included.
 
-Real ranks (``deepspeed`` runner, 2 CPU ranks, gloo) on the shipped ``ds_configs/tiny_cpu.json`` cut short by
-:func:`~tests.helpers.faults.fault_recipe` (dropout 0.1). The runner is started as a process-group leader so the test
-can signal the whole group with ``os.killpg``, as the schedulers do. Rows go to ``$BERT_DS_FAULT_REPORT``.
+Real ranks (``bert-ds deepspeed``: DeepSpeed's runner under bert_ds's supervisor, 2 CPU ranks, gloo) on the shipped
+``ds_configs/tiny_cpu.json`` cut short by :func:`~tests.helpers.faults.fault_recipe` (dropout 0.1). The command is
+started as a process-group leader so the test can signal the whole group with ``os.killpg``, as the schedulers do.
+Every case asserts the command's own exit code is 75 (what a requeue script reads), with no process left. Rows go to
+``$BERT_DS_FAULT_REPORT``.
 """
 from __future__ import annotations
 
@@ -49,15 +51,28 @@ def _identical(run: Path, reference: Path) -> None:
 def _group_sigterm(launcher: psutil.Process) -> str:
     workers = [c.pid for c in launcher.children(recursive=True) if "multiprocessing" in " ".join(c.cmdline())]
     os.killpg(launcher.pid, signal.SIGTERM)
-    return f"SIGTERM to process group {launcher.pid} (runner, launcher, ranks, loader workers {workers})"
+    return f"SIGTERM to process group {launcher.pid} (the command; its ranks' loader workers {workers})"
 
 
+def _tree_sigterm(launcher: psutil.Process) -> str:
+    """What Slurm's cgroup-wide pre-emption and ``docker stop``'s PID-namespace signal do: TERM to every process of
+    the job at once, whatever its session (the supervisor, DeepSpeed's runner and launch.py, the ranks, workers)."""
+    procs = [launcher, *launcher.children(recursive=True)]
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    return f"SIGTERM to every process of the job ({len(procs)}: command, runner, launch.py, ranks, workers)"
+
+
+@pytest.mark.parametrize("deliver", [_group_sigterm, _tree_sigterm], ids=["group", "every-process"])
 def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, shards_128, shards_512,
-                                                                  tokenizer_dir, tmp_path):
+                                                                  tokenizer_dir, tmp_path, deliver):
     run = tmp_path / "run"
     recipe = fault_recipe(tmp_path / "recipe.json")
     args = _args(recipe, shards_128, shards_512, tokenizer_dir, run, "--num-workers", "1")
-    out = execute(Launch(rank_command(2, args), Trigger(r"^step 3 \|", _group_sigterm), preexec=os.setsid))
+    out = execute(Launch(rank_command(2, args), Trigger(r"^step 3 \|", deliver), preexec=os.setsid))
     message = out.first_line(r"pre-empted: checkpointed at phase 1 step \d+")
     lost = "not checked (an assertion above failed)"
     try:
@@ -68,8 +83,7 @@ def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, s
         tag = f"phase1-step{step:06d}"
         assert ckpt.read_latest(run / "checkpoints") == tag
         assert not out.survivors, out.survivors
-        # The ranks exit 75; the runner, itself killed by the group's TERM, reports -15 (or 75 when it outlives them).
-        assert out.returncode in (75, -signal.SIGTERM), (out.returncode, out.text()[-4000:])
+        assert out.returncode == 75, (out.returncode, out.text()[-4000:])
         assert re.search(r"exits with return code = 75|exit 75", out.text()), out.text()[-4000:]
         done = execute(Launch(rank_command(2, _args(recipe, shards_128, shards_512, tokenizer_dir, run,
                                                     "--num-workers", "1", "--resume", "auto"))))
@@ -77,35 +91,72 @@ def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, s
         _identical(run, reference_run)
         lost = f"nothing: {tag} written; resumed to {FINAL_TAG} bit-identical to the uninterrupted run (dropout 0.1)"
     finally:
-        report_row("group-sigterm-workers", "4", out, message, lost)
+        report_row(f"{deliver.__name__.strip('_').replace('_', '-')}-workers", "4", out, message, lost)
 
 
-def _sigterm_runner(launcher: psutil.Process) -> str:
+def _sigterm_command(launcher: psutil.Process) -> str:
     launcher.send_signal(signal.SIGTERM)
-    return f"SIGTERM to the deepspeed runner only (pid {launcher.pid}); DeepSpeed does not forward it"
+    return f"SIGTERM to the command only (pid {launcher.pid}, what a supervisor signalling its child does)"
 
 
+def _sigterm_deepspeed_runner(launcher: psutil.Process) -> str:
+    runner = next(p for p in launcher.children() if "deepspeed.launcher.runner" in " ".join(p.cmdline()))
+    runner.send_signal(signal.SIGTERM)
+    return f"SIGTERM to DeepSpeed's runner only (pid {runner.pid}); DeepSpeed does not forward it"
+
+
+@pytest.mark.parametrize("deliver", [_sigterm_command, _sigterm_deepspeed_runner], ids=["command", "ds-runner"])
 def test_sigterm_to_the_runner_alone_checkpoints_exits_75_no_orphans(shards_128, shards_512, tokenizer_dir,
-                                                                     tmp_path):
-    """The ranks notice their runner is gone (bert_ds.runtime.watchdog), checkpoint and exit 75: nothing of the
-    tree (launch.py, ranks, loader workers) outlives the harness's grace period."""
+                                                                     tmp_path, deliver):
+    """TERM to the command alone (the supervisor passes it to the ranks), or to DeepSpeed's runner alone (the ranks
+    notice their runner is gone, bert_ds.runtime.watchdog): the ranks checkpoint, the command exits 75 and nothing of
+    the tree (launch.py, ranks, loader workers) outlives the harness's grace period."""
     run = tmp_path / "run"
     recipe = fault_recipe(tmp_path / "recipe.json")
     args = _args(recipe, shards_128, shards_512, tokenizer_dir, run, "--num-workers", "1")
-    out = execute(Launch(rank_command(2, args), Trigger(r"^step 3 \|", _sigterm_runner)))
-    # Polled about once a second: the tiny recipe runs several steps (possibly into phase 2) before the ranks notice.
-    message = out.first_line(r"pre-empted: checkpointed at phase \d step \d+")
+    out = execute(Launch(rank_command(2, args), Trigger(r"^step 3 \|", deliver)))
+    # The runner is polled about once a second: the tiny recipe may run several steps (into phase 2) first, and the
+    # signal may land in phase 2's start-up, which stops before its first step, phase 1's last tag the newest.
+    message = out.first_line(r"pre-empted: checkpointed at phase \d step \d+|pre-empted before phase \d step 1 ")
     lost = "not checked (an assertion above failed)"
     try:
         assert out.fault is not None, out.text()[-4000:]
         assert message is not None, out.text()[-4000:]
-        assert "the deepspeed runner (pid" in out.text(), out.text()[-4000:]
-        assert re.search(r"exits with return code = 75", out.text()), out.text()[-4000:]
+        if deliver is _sigterm_deepspeed_runner:
+            assert "the deepspeed runner (pid" in out.text(), out.text()[-4000:]
+        assert out.returncode == 75, (out.returncode, out.text()[-4000:])
         phase, step = map(int, re.search(r"phase (\d) step (\d+)", message).groups())
-        tag = f"phase{phase}-step{step:06d}"
+        tag = f"phase{phase}-step{step:06d}" if "checkpointed" in message else re.search(r"since (\S+);", message)[1]
         assert ckpt.read_latest(run / "checkpoints") == tag
         assert not out.survivors, f"orphans: {out.survivors}"
         lost = f"nothing: {tag} written and loads; no orphan process"
         assert all(torch.isfinite(t).all() for t in weights(run, tag).values())
     finally:
-        report_row("runner-sigterm", "4", out, message, lost)
+        report_row(f"{deliver.__name__.strip('_').replace('_', '-')}", "4", out, message, lost)
+
+
+@pytest.mark.parametrize("deliver", [_group_sigterm, _tree_sigterm], ids=["group", "every-process"])
+def test_sigterm_during_startup_exits_75_having_written_nothing(reference_run, shards_128, shards_512, tokenizer_dir,
+                                                                tmp_path, deliver):
+    """TERM as DeepSpeed's runner logs its command line, before any rank exists or trains: the command exits 75, no
+    checkpoint is written, nothing survives, and ``--resume auto`` then trains the whole run bit for bit."""
+    run = tmp_path / "run"
+    recipe = fault_recipe(tmp_path / "recipe.json")
+    args = _args(recipe, shards_128, shards_512, tokenizer_dir, run, "--num-workers", "1")
+    out = execute(Launch(rank_command(2, args), Trigger(r"runner\.py.*cmd = ", deliver), preexec=os.setsid))
+    message = out.first_line(r"pre-empted |bert-ds deepspeed: SIGTERM")
+    lost = "not checked (an assertion above failed)"
+    try:
+        assert out.fault is not None, out.text()[-4000:]
+        assert out.returncode == 75, (out.returncode, out.text()[-4000:])
+        assert "Traceback" not in out.text(), out.text()[-4000:]
+        assert not out.survivors, out.survivors
+        tags = sorted(p.name for p in (run / "checkpoints").glob("phase*")) if (run / "checkpoints").is_dir() else []
+        assert tags == [], tags
+        done = execute(Launch(rank_command(2, _args(recipe, shards_128, shards_512, tokenizer_dir, run,
+                                                    "--num-workers", "1", "--resume", "auto"))))
+        assert done.returncode == 0 and not done.survivors, done.text()[-4000:]
+        _identical(run, reference_run)
+        lost = f"nothing: no checkpoint written; the resumed run's {FINAL_TAG} bit-identical to the uninterrupted run"
+    finally:
+        report_row(f"startup-{deliver.__name__.strip('_').replace('_', '-')}", "4", out, message, lost)

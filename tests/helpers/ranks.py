@@ -1,9 +1,10 @@
 """Starting real DeepSpeed CPU ranks from a test: the one way tests build and run a rank command.
 
-N ranks run under the ``deepspeed`` launcher on a free port (it starts one process per "GPU", on CPU ranks with gloo,
-and ends every rank when one fails); one rank runs without a launcher (``bert_ds.runtime.pretrain`` then sets up a
-one-rank group itself). Every process gets :func:`tests.helpers.child_env`. Tests of the launch paths themselves
-(hostfile, mpirun, srun) build those launchers' command lines around :data:`DEEPSPEED`.
+N ranks run under ``bert-ds deepspeed`` (DeepSpeed's runner under bert_ds's supervisor, the README's launch
+command) on a free port (it starts one process per "GPU", on CPU ranks with gloo, and ends every rank when one
+fails); one rank runs without a launcher (``bert_ds.runtime.pretrain`` then sets up a one-rank group itself).
+Every process gets :func:`tests.helpers.child_env`. Tests of the launch paths themselves (hostfile, mpirun, srun)
+build those launchers' command lines around :data:`DEEPSPEED`.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ PRETRAIN_SCRIPT = REPO / "bert_ds" / "runtime" / "pretrain.py"
 
 
 def rank_command(nprocs: int, args: Sequence[str] = (), script: str | Path | None = None) -> list[str]:
-    """``deepspeed --num_gpus N --master_port P SCRIPT ARGS`` for N > 1 CPU ranks, ``python SCRIPT ARGS`` for one;
-    ``script`` defaults to ``bert_ds.runtime.pretrain`` (run as ``python -m`` on one rank)."""
+    """``bert-ds deepspeed --num_gpus N --master_port P SCRIPT ARGS`` for N > 1 CPU ranks (run as ``python -m
+    bert_ds.runtime.supervise`` so this checkout's code runs), ``python SCRIPT ARGS`` for one; ``script`` defaults to
+    ``bert_ds.runtime.pretrain`` (run as ``python -m`` on one rank)."""
     if nprocs == 1:
         return [sys.executable, *([str(script)] if script else ["-m", "bert_ds.runtime.pretrain"]), *args]
-    return [str(DEEPSPEED), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-            str(script or PRETRAIN_SCRIPT), *args]
+    return [sys.executable, "-m", "bert_ds.runtime.supervise", "--num_gpus", str(nprocs), "--master_port",
+            str(free_port()), str(script or PRETRAIN_SCRIPT), *args]
 
 
 def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = False,

@@ -1,0 +1,51 @@
+"""``bert-ds deepspeed`` (bert_ds.runtime.supervise) without ranks: how the job's exit code is decided, the files a
+rank reports through, and a refusal that starts nothing. The supervisor with real ranks and real signals:
+``tests/faults/test_fault_table_preemption.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bert_ds.exit_codes import ExitCode
+from bert_ds.runtime import supervise
+from tests.helpers import HANG_GUARD_S
+
+
+@pytest.mark.parametrize(("reports", "runner", "signalled", "want"), [
+    ({}, 0, False, 0),  # a finished run
+    ({11: 0, 12: 0}, 0, False, 0),
+    ({11: 75, 12: 75}, 75, True, 75),  # pre-empted and saved
+    ({11: 75}, 143, True, 75),  # the runner died of the TERM; rank 12 killed before it reported: 11 saved first
+    ({11: 75, 12: 75}, 143, False, 75),  # DeepSpeed's runner alone was TERMed; the ranks saved
+    ({}, 143, True, 75),  # signalled during start-up, before any rank armed: nothing written, resubmit
+    ({11: 2, 12: 75}, 2, True, 2),  # a failure wins over a pre-emption
+    ({11: 124, 12: 124}, 124, False, 124),
+    ({}, 137, False, 137),  # killed without a pre-emption (e.g. the OOM killer): its own code
+    ({11: 0, 12: 0}, 143, False, 143),
+])
+def test_the_job_exit_code(reports, runner, signalled, want):
+    assert supervise.exit_code_of(reports, runner, preempted=signalled) == want
+
+
+def test_a_rank_reports_only_under_a_supervisor(tmp_path, monkeypatch):
+    monkeypatch.delenv(supervise.DIR_ENV, raising=False)
+    supervise.arm()
+    supervise.report_exit(75)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(supervise.DIR_ENV, str(tmp_path))
+    supervise.arm()
+    supervise.report_exit(ExitCode.PREEMPTED)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"armed.{os.getpid()}", f"exit.{os.getpid()}"]
+    assert (tmp_path / f"exit.{os.getpid()}").read_text() == "75"
+
+
+def test_no_arguments_is_refused_before_anything_starts():
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.runtime.supervise"], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, proc
+    assert "error: give the deepspeed runner's arguments" in proc.stderr
+    assert "runner.py" not in proc.stderr  # DeepSpeed's runner was never started
