@@ -18,9 +18,9 @@ What the supervisor does (Linux):
   first step) and exits 75;
 - each rank reports that it armed and the code it exits with as files in a private directory
   (``$BERT_DS_SUPERVISOR_DIR``, :func:`arm` and :func:`report_exit`, called by ``bert_ds.runtime.pretrain``);
-- exits only when no process it started is left, with the ranks' code: a failure code any rank reported (1, 2, 3,
-  124), else 75 if any rank reported it (a rank exits 75 only after the collective save completed) or if the
-  supervisor was signalled and the job did not finish, else the runner's own code (a signal N as 128 + N).
+- exits only when no process it started is left, with the job's code (:func:`exit_code_of`): the runner's when it
+  exited by itself (the first failing rank's); when it was killed, the ranks' own: a failure any rank reported (1,
+  2, 3, 124), else 75 (a rank exits 75 only after the collective save completed).
 
 Multi-node through ``pdsh`` (``--hostfile`` without ``--no_ssh``): ranks on other nodes are not the supervisor's
 descendants; a signal is then passed to the runner, whose own handler (``runner.py`` ``sigkill_handler``) ends every
@@ -77,18 +77,23 @@ def _report(kind: str, text: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the supervisor's side
-def exit_code_of(reports: dict[int, int], runner_code: int, preempted: bool) -> int:
-    """The job's exit code from the ranks' reported codes (by pid), the runner's own code and whether the supervisor
-    itself was signalled: a failure a rank reported wins; else 75 if a rank reported it, or if the supervisor was
-    signalled and the ranks did not all finish (killed before they could report: every save is atomic, so the last
-    complete checkpoint is where ``--resume auto`` goes on); else the runner's code."""
+def exit_code_of(reports: dict[int, int], runner: int, preempted: bool) -> int:
+    """The job's exit code. ``runner``: DeepSpeed's runner's status as ``os.waitstatus_to_exitcode`` gives it (-N:
+    killed by signal N); ``reports``: the ranks' reported codes by pid; ``preempted``: the supervisor was signalled.
+
+    A runner that exited by itself passes on the first failing rank's code (``launch.py`` exits with it and ends the
+    others), so that is the job's. A runner killed by a signal knows nothing: then a failure a rank reported wins,
+    else 75 if a rank reported it or the supervisor was signalled (killed before they could report: every save is
+    atomic, so ``--resume auto`` goes on from the last complete checkpoint), else 128 + N."""
+    if runner >= 0:
+        return runner
     codes = [reports[pid] for pid in sorted(reports)]
     failures = [c for c in codes if c not in (ExitCode.OK, ExitCode.PREEMPTED)]
     if failures:
         return failures[0]
-    if ExitCode.PREEMPTED in codes or (preempted and runner_code != ExitCode.OK):
+    if ExitCode.PREEMPTED in codes or preempted:
         return ExitCode.PREEMPTED
-    return runner_code
+    return 128 - runner
 
 
 def _prctl(option: int, value: int) -> None:
@@ -171,8 +176,7 @@ class _Supervisor:
             if pid == 0:
                 return getattr(self, "runner_code", None)
             if pid == self.runner.pid:
-                code = os.waitstatus_to_exitcode(status)
-                self.runner_code = 128 - code if code < 0 else code
+                self.runner_code = os.waitstatus_to_exitcode(status)
 
     def _descendants_left(self) -> list:
         try:

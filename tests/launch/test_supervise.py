@@ -18,14 +18,15 @@ from tests.helpers import HANG_GUARD_S
 @pytest.mark.parametrize(("reports", "runner", "signalled", "want"), [
     ({}, 0, False, 0),  # a finished run
     ({11: 0, 12: 0}, 0, False, 0),
-    ({11: 75, 12: 75}, 75, True, 75),  # pre-empted and saved
-    ({11: 75}, 143, True, 75),  # the runner died of the TERM; rank 12 killed before it reported: 11 saved first
-    ({11: 75, 12: 75}, 143, False, 75),  # DeepSpeed's runner alone was TERMed; the ranks saved
-    ({}, 143, True, 75),  # signalled during start-up, before any rank armed: nothing written, resubmit
-    ({11: 2, 12: 75}, 2, True, 2),  # a failure wins over a pre-emption
+    ({11: 75, 12: 75}, 75, True, 75),  # pre-empted and saved; the runner passed 75 on
+    ({11: 75}, -15, True, 75),  # the runner died of the TERM; rank 12 killed before it reported: 11 saved first
+    ({11: 75, 12: 75}, -15, False, 75),  # DeepSpeed's runner alone was TERMed; the ranks saved
+    ({}, -15, True, 75),  # every process TERMed during start-up, before any rank armed: nothing written, resubmit
+    ({11: 2, 12: 75}, -15, True, 2),  # a failure a rank reported wins over a pre-emption
     ({11: 124, 12: 124}, 124, False, 124),
-    ({}, 137, False, 137),  # killed without a pre-emption (e.g. the OOM killer): its own code
-    ({11: 0, 12: 0}, 143, False, 143),
+    ({11: 2}, 247, False, 247),  # rank 12 SIGKILLed: launch.py passes on its -9 (247); rank 11's later error is moot
+    ({}, -9, False, 137),  # the runner itself SIGKILLed, no rank reported
+    ({11: 0, 12: 0}, -15, False, 143),
 ])
 def test_the_job_exit_code(reports, runner, signalled, want):
     assert supervise.exit_code_of(reports, runner, preempted=signalled) == want
