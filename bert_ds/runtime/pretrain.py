@@ -184,21 +184,22 @@ def _error(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Arms the pre-emption handler first (SIGTERM/SIGUSR1 from here on end in exit 75, never 143), runs, and reports
-    the exit code to ``bert-ds deepspeed`` when it started this rank (:mod:`bert_ds.runtime.supervise`)."""
+    """Parses the command line, then arms the pre-emption handler before anything else (SIGTERM/SIGUSR1 from here on
+    end in exit 75, never 143), runs, and reports the exit code to ``bert-ds deepspeed`` when it started this rank
+    (:mod:`bert_ds.runtime.supervise`; an exception that escapes is Python's exit 1)."""
+    args = parse_args(argv)
     preemption = Preemption()
     supervise.arm()
-    code = ExitCode.BAD_INPUT
+    code = ExitCode.FAILED
     try:
-        code = _main(argv, preemption)
+        code = _main(args, preemption)
         return code
     finally:
         supervise.report_exit(code)
 
 
-def _main(argv: Sequence[str] | None, preemption: Preemption) -> int:
+def _main(args: RunArgs, preemption: Preemption) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(argv)
     try:
         return train(args, preemption)
     except (ValueError, FileNotFoundError) as exc:
