@@ -23,6 +23,7 @@ from torch import nn
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
 from bert_ds.config import BertConfig
 from bert_ds.data.batch import MODEL_INPUTS
+from bert_ds.errors import run_main
 
 __all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "load_checkpoint_model", "recipe_kernels", "evaluate_checkpoint",
            "main"]
@@ -229,15 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         # Consolidation imports DeepSpeed, which warns that it "was unable to detect" a GPU when it falls back to its
         # CPU accelerator by itself; naming the accelerator it would pick anyway keeps the output to one warning.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return run_main(None, _run, args)  # "error: ..." without the prog, as this command always wrote it
+
+
+def _run(args: argparse.Namespace) -> int:
     stdout = sys.stdout
     # DeepSpeed and zero_to_fp32 print to stdout; keep stdout for the one JSON line.
     with contextlib.redirect_stdout(sys.stderr):
-        try:
-            metrics = evaluate_checkpoint(args.checkpoint, args.data, tag=args.tag, batch_size=args.batch_size,
-                                          max_batches=args.max_batches, device=args.device,
-                                          num_workers=args.num_workers, kernels=args.kernels)
-        except (FileNotFoundError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        metrics = evaluate_checkpoint(args.checkpoint, args.data, tag=args.tag, batch_size=args.batch_size,
+                                      max_batches=args.max_batches, device=args.device, num_workers=args.num_workers,
+                                      kernels=args.kernels)
     print(json.dumps(metrics), file=stdout, flush=True)
     return 0

@@ -76,6 +76,7 @@ from bert_ds.data.text import (
     split_sentences,
 )
 from bert_ds.data.tokenizer import WordPieceTokenizer, load_tokenizer
+from bert_ds.errors import run_main
 
 __all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "shard_index", "main"]
 
@@ -575,7 +576,7 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
     return index
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bert-ds-create-shards", description=__doc__.splitlines()[0])
     add_input_args(parser)
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
@@ -599,21 +600,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--samples-per-shard", type=int, default=10000, help="default %(default)s")
     parser.add_argument("--overwrite", action="store_true", help="replace a shard set already in --out")
     add_limit_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        files = input_files(args.input, args.input_pattern)
-        if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
-            print(describe_inputs(files, input_format=args.input_format), flush=True)
-        index = create_shards(files, args.tokenizer, args.out, seq_len=args.seq_len,
-                              max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
-                              short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
-                              whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,
-                              samples_per_shard=args.samples_per_shard, overwrite=args.overwrite,
-                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
-                              input_format=args.input_format)
-    except (ValueError, OSError) as exc:  # bad input or an unusable output: one line naming it, no traceback
-        print(f"bert-ds-create-shards: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    return run_main(parser.prog, _run, parser.parse_args(argv))
+
+
+def _run(args: argparse.Namespace) -> None:
+    files = input_files(args.input, args.input_pattern)
+    if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
+        print(describe_inputs(files, input_format=args.input_format), flush=True)
+    index = create_shards(files, args.tokenizer, args.out, seq_len=args.seq_len,
+                          max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
+                          short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
+                          whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,
+                          samples_per_shard=args.samples_per_shard, overwrite=args.overwrite,
+                          max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
+                          input_format=args.input_format)
     if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
         skipped = index.extra["skipped"]
         print(f"wrote {len(index.shards)} shards, {index.total_samples} samples to {args.out}/{INDEX_NAME}; "
@@ -622,4 +622,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ import numpy as np
 
 from bert_ds.data.format import HEADER_SIZE, MEMBER_SUFFIX, Sample, ShardError, check_record_headers, decode_sample
 from bert_ds.data.index import INDEX_NAME, ShardIndex, file_sha256
+from bert_ds.errors import BadInput, run_main
 
 __all__ = ["ShardError", "TarMembers", "scan_tar", "ShardReader", "VERIFY_MODES", "VerifyReport", "verify_shard_set",
            "main"]
@@ -364,9 +364,6 @@ def verify_shard_set(directory: str | Path, level: str = "headers") -> VerifyRep
     return report
 
 
-EXIT_BAD_SHARDS = 2
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``bert-ds-verify-shards DIR [DIR ...] [--level size|headers|sha256]``: exit 0 when every set is clean, else
     print one line per bad shard (shard, member, field) on stderr and exit 2."""
@@ -376,12 +373,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--level", choices=VERIFY_MODES, default="sha256",
                         help="size: stat each file; headers: + tar headers, counts and every record header "
                              "(fast); sha256: + each file's checksum (reads everything). Default: sha256")
-    args = parser.parse_args(argv)
-    bad = 0
+    return run_main(parser.prog, _verify, parser.parse_args(argv))
+
+
+def _verify(args: argparse.Namespace) -> None:
+    """Every set's summary on stdout; then one error line per bad shard of every set (exit 2)."""
+    errors = []
     for directory in args.dirs:
         report = verify_shard_set(directory, args.level)
-        for line in report.errors:
-            print(f"bert-ds-verify-shards: error: {line}", file=sys.stderr, flush=True)
         print(report.summary(), flush=True)
-        bad += len(report.errors)
-    return EXIT_BAD_SHARDS if bad else 0
+        errors += report.errors
+    if errors:
+        raise BadInput("\n".join(errors))  # each line already one ShardError's

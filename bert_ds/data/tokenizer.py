@@ -46,6 +46,7 @@ from bert_ds.data.text import (
     input_files,
     iter_training_texts,
 )
+from bert_ds.errors import run_main
 
 __all__ = [
     "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "read_vocab", "read_lowercase", "vocab_sha256",
@@ -501,7 +502,7 @@ def load_tokenizer(directory: str | Path) -> WordPieceTokenizer:
     return WordPieceTokenizer(directory, vocab, lowercase, inner)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bert-ds-train-tokenizer", description=__doc__.splitlines()[0])
     add_input_args(parser)
     parser.add_argument("--vocab-size", type=int, default=30522,
@@ -511,20 +512,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lowercase, strip)")
     parser.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a non-empty --out")
     add_limit_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        files = input_files(args.input, args.input_pattern)
-        print(describe_inputs(files, input_format=args.input_format), flush=True)
-        out = train_tokenizer(files, args.out, vocab_size=args.vocab_size, cased=args.cased,
-                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
-                              overwrite=args.overwrite, input_format=args.input_format)
-    except (ValueError, OSError) as exc:  # bad input or an unusable --out: one line naming it, no traceback
-        print(f"bert-ds-train-tokenizer: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    return run_main(parser.prog, _run, parser.parse_args(argv))
+
+
+def _run(args: argparse.Namespace) -> None:
+    files = input_files(args.input, args.input_pattern)
+    print(describe_inputs(files, input_format=args.input_format), flush=True)
+    out = train_tokenizer(files, args.out, vocab_size=args.vocab_size, cased=args.cased,
+                          max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
+                          overwrite=args.overwrite, input_format=args.input_format)
     skipped = json.loads((out / META_NAME).read_text(encoding="utf-8"))["skipped"]
     print(f"wrote {out / VOCAB_NAME} ({load_tokenizer(out).vocab_size} tokens); skipped {skipped['long_lines']} "
           f"line(s) over --max-document-bytes and {skipped['long_sentences']} sentence(s) over --max-sentence-chars")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING
 
 from bert_ds.devtools.heldout_dedup import DedupReport, DedupRule, deduplicate_file, leaks, read_documents
 from bert_ds.devtools.pretraining_gain import MIN_GAIN, TASK
+from bert_ds.errors import StepFailed, run_main
+from bert_ds.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -69,12 +71,14 @@ MIN_RATIO = 2.0
 """The full demo fails unless the export's held-out masked-LM accuracy is this multiple of the baseline."""
 
 
-class DemoError(RuntimeError):
+class DemoError(StepFailed):
     """A step failed or the export did not learn enough: the message says which and what to do."""
 
 
 class NotDemoDirectory(DemoError):
     """The output directory exists and holds something the demo did not write: it is left alone."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -593,13 +597,11 @@ def main(argv: list[str] | None = None) -> int:
                              "reports the accuracy and the fine-tuning gain without requiring them")
     args = parser.parse_args(argv)
     start = time.monotonic()
-    try:
-        run_demo(args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
-    except DemoError as exc:  # NotDemoDirectory included: nothing was touched, so a usage error
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, NotDemoDirectory) else 1
-    print(f"demo finished in {time.monotonic() - start:.0f} s")
-    return 0
+    # NotDemoDirectory exits 2 (nothing was touched: a usage error), any other DemoError 1.
+    code = run_main(parser.prog, run_demo, args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
+    if code == 0:
+        print(f"demo finished in {time.monotonic() - start:.0f} s")
+    return code
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bert_ds.errors import run_main
+
 __all__ = ["PANELS", "PlotResult", "find_event_dir", "main", "plot_run", "read_scalars"]
 
 # (title, y label, [(tag, legend label, style)]); style "line" for per-interval training points, "marker" for the
@@ -172,11 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, metavar="PNG", help="output PNG (default: RUN_DIR/curves.png)")
     parser.add_argument("--title", default=None, help="figure title (default: the run directory's name)")
     args = parser.parse_args(argv)
-    try:
-        result = plot_run(args.run_dir, args.out, args.title)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_main(parser.prog, _run, args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    result = plot_run(args.run_dir, args.out, args.title)
     note = f" (not in this run: {', '.join(result.missing)})" if result.missing else ""
     print(f"wrote {result.path}: {len(result.tags)} curves{note}")
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
 from bert_ds.config import BertConfig
 from bert_ds.data.tokenizer import WordPieceTokenizer
+from bert_ds.errors import StepFailed, run_main
 from bert_ds.export.hf import HF_ARCHITECTURE, export_model, load_training_tokenizer
 from bert_ds.export.keymap import ExportError
 
@@ -38,8 +38,11 @@ stripping differ between cased and uncased), punctuation, a dash, CJK characters
 _VOCAB_SAMPLE_WORDS = 256
 
 
-class VerificationError(RuntimeError):
-    """The exported model or tokenizer does not reproduce bert_ds's logits or token ids."""
+class VerificationError(StepFailed):
+    """The exported model or tokenizer does not reproduce bert_ds's logits or token ids (exit 1)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"verification failed: {message}")
 
 
 def find_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> CheckpointRef:
@@ -201,14 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip reloading the output with transformers and comparing logits and token ids")
     args = parser.parse_args(argv)
-    try:
-        diffs = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, verify=args.verify)
-    except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except VerificationError as exc:
-        print(f"verification failed: {exc}", file=sys.stderr)
-        return 1
+    return run_main(None, _run, args)  # "error: ..." without the prog, as this command always wrote it
+
+
+def _run(args: argparse.Namespace) -> int:
+    diffs = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, verify=args.verify)
     if diffs is None:
         print(f"wrote {args.out} (not verified)")
     else:

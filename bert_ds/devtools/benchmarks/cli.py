@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from bert_ds.devtools.benchmarks.report import machine, render
+from bert_ds.errors import BadInput, run_main
 
 __all__ = ["SECTIONS", "main", "run"]
 
@@ -43,8 +44,8 @@ def _data(args) -> dict[str, Path]:
 def _tool_json(tool: str, extra: list[str]) -> object:
     script = REPO / "tools" / tool
     if not script.is_file():
-        raise SystemExit(f"benchmark: error: {script} not found: the create and loader sections run the scripts of "
-                         "the source checkout (install it with `pip install -e .`)")
+        raise BadInput(f"{script} not found: the create and loader sections run the scripts of the source checkout "
+                       "(install it with `pip install -e .`)")
     with tempfile.TemporaryDirectory(prefix="bert_ds_bench_") as tmp:
         out = Path(tmp) / "result.json"
         subprocess.run([sys.executable, str(script), *extra, "--json", str(out)], check=True, cwd=REPO)
@@ -125,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.out.is_file():
             parser.error(f"--update: {args.out} does not exist (run without --update first)")
         previous = json.loads(args.out.read_text())
+    return run_main(parser.prog, _run, args, previous, _command_line(parser.prog, argv))
+
+
+def _run(args: argparse.Namespace, previous: dict, command: str) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
-    command = _command_line("bert-ds-benchmark", argv)
     results = {**previous, **run(args)}
     results["commands"] = [*previous.get("commands", []), command]
     args.out.write_text(json.dumps(results, indent=1) + "\n")
