@@ -7,9 +7,10 @@ does) or ``option(help=...)`` where the text is computed. The type decides the r
 * ``bool``: a switch, ``--name`` for a False default, ``--no-name`` for a True one;
 * ``tuple[X, ...]``: comma-separated (``--lr-grid 5e-5,3e-5``); ``list[X]``: ``nargs="+"`` (or ``option(nargs=...)``).
 
-The default is appended to the help (``(default: 128)``) unless the text already speaks of one. :func:`parse` builds
-the instance, and a ``ValueError`` from its ``__post_init__`` is a usage error (exit 2 with the usage line).
-A leaf: imports nothing of bert_ds.
+The default is appended to the help (``(default: 128)``) unless the text already speaks of one (``%(default)s``
+places it). A field whose value is handed to a function takes its default from there (:func:`defaults_of`).
+:func:`parse` builds the instance, and a ``ValueError`` from its ``__post_init__`` is a usage error (exit 2 with the
+usage line). A leaf: imports nothing of bert_ds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Option", "add_arguments", "build_parser", "comma_separated", "field_docs", "option", "parse"]
+__all__ = ["Option", "add_arguments", "build_parser", "comma_separated", "defaults_of", "field_docs", "option",
+           "parse"]
 
 _KEY = "bert_ds.cli"
 
@@ -58,7 +60,12 @@ def option(default: Any = dataclasses.MISSING, *, default_factory: Any = datacla
 def _clean(doc: str) -> str:
     """A docstring as one line of help: reST roles and literals unwrapped, ``%`` escaped for argparse."""
     doc = re.sub(r":\w+:`~?([^`]*)`", r"\1", " ".join(inspect.cleandoc(doc).split()))
-    return doc.replace("``", "").replace("%", "%%")
+    return _escape(doc.replace("``", ""))
+
+
+def _escape(text: str) -> str:
+    """``%`` escaped for argparse, except ``%(default)s`` (a help text that places the default itself)."""
+    return re.sub(r"%(?!\(default\)s)", "%%", text)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -78,6 +85,13 @@ def field_docs(cls: type) -> dict[str, str]:
                     and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
                 docs[node.target.id] = _clean(after.value.value)
     return docs
+
+
+def defaults_of(function: Callable) -> dict[str, Any]:
+    """The parameters of ``function`` that have defaults, and those defaults: for the fields of a CLI dataclass that
+    call ``function``, so its defaults stay written once, in its signature."""
+    return {name: p.default for name, p in inspect.signature(function).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def comma_separated(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
@@ -136,7 +150,7 @@ def _type_kwargs(hint: Any, cli: Option) -> dict:
 def _help(name: str, cli: Option, docs: dict[str, str], default: Any) -> str | None:
     if cli.hidden:
         return argparse.SUPPRESS
-    text = cli.help.replace("%", "%%") if cli.help is not None else docs.get(name)
+    text = _escape(cli.help) if cli.help is not None else docs.get(name)
     text = text.removesuffix(".") if text else text
     shown = _default_text(default)
     if shown is not None and (text is None or "default" not in text.lower()):

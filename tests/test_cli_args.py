@@ -112,3 +112,21 @@ def test_finetune_and_glue_are_generated_with_their_defaults_written_once():
     assert "Passes over the training file (default: 3)" in " ".join(finetune_parser().format_help().split())
     suite = _parse(["--model", "m", "--data-dir", "d", "--out", "o", "--lr-grid", "5e-5,4e-5", "--tasks", "cola"])
     assert suite == SuiteArgs(model="m", data_dir="d", out="o", lr_grid=(5e-5, 4e-5), tasks=("cola",))
+
+
+def test_defaults_of_a_function_and_a_help_that_places_its_default():
+    from bert_ds.cli_args import defaults_of
+    from bert_ds.data.create import CreateShardsArgs, create_shards
+
+    def f(a, b=3, *, c="x"):
+        return a
+
+    assert defaults_of(f) == {"b": 3, "c": "x"}
+    # bert-ds-create-shards' defaults are create_shards' own (written once, in its signature).
+    parser = build_parser(CreateShardsArgs, "bert-ds-create-shards")
+    actions = {a.dest: a for a in parser._actions}
+    shared = set(actions) & set(defaults_of(create_shards))
+    assert {"dupe_factor", "seed", "workers", "samples_per_shard", "masked_lm_prob"} <= shared
+    assert all(actions[name].default == defaults_of(create_shards)[name] for name in shared)
+    help_text = " ".join(parser.format_help().split())
+    assert "(default 1; NVIDIA's recipe uses 5, Google's 10)" in help_text and "(default: 12345)" in help_text

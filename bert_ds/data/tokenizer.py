@@ -15,7 +15,6 @@ loader, the shard index and the exporter ask here instead of parsing the files t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import itertools
@@ -34,13 +33,13 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
+from bert_ds.cli_args import build_parser, defaults_of, option, parse
 from bert_ds.data.text import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SENTENCE_CHARS,
+    InputArgs,
     SkipCounts,
     TextLimits,
-    add_input_args,
-    add_limit_args,
     describe_inputs,
     detect_format,
     input_files,
@@ -502,20 +501,29 @@ def load_tokenizer(directory: str | Path) -> WordPieceTokenizer:
     return WordPieceTokenizer(directory, vocab, lowercase, inner)
 
 
+_TRAIN_DEFAULTS = defaults_of(train_tokenizer)
+
+
+@dataclass(kw_only=True)
+class TrainTokenizerArgs(InputArgs):
+    """``bert-ds-train-tokenizer``'s options (:mod:`bert_ds.cli_args`); defaults are :func:`train_tokenizer`'s."""
+
+    vocab_size: int = option(_TRAIN_DEFAULTS["vocab_size"], help="WordPiece vocabulary size (default %(default)s, "
+                             "Google's BERT vocabularies)")
+    out: str
+    """Output directory for vocab.txt, tokenizer.json and tokenizer_meta.json."""
+    cased: bool = _TRAIN_DEFAULTS["cased"]
+    """Keep case and accents (default: lowercase, strip)."""
+    overwrite: bool = _TRAIN_DEFAULTS["overwrite"]
+    """Replace the tokenizer files of a non-empty --out."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bert-ds-train-tokenizer", description=__doc__.splitlines()[0])
-    add_input_args(parser)
-    parser.add_argument("--vocab-size", type=int, default=30522,
-                        help="WordPiece vocabulary size (default %(default)s, Google's BERT vocabularies)")
-    parser.add_argument("--out", required=True,
-                        help="output directory for vocab.txt, tokenizer.json and tokenizer_meta.json")
-    parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lowercase, strip)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a non-empty --out")
-    add_limit_args(parser)
-    return run_main(parser.prog, _run, parser.parse_args(argv))
+    parser = build_parser(TrainTokenizerArgs, "bert-ds-train-tokenizer", __doc__.splitlines()[0])
+    return run_main(parser.prog, _run, parse(TrainTokenizerArgs, parser, argv))
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: TrainTokenizerArgs) -> None:
     files = input_files(args.input, args.input_pattern)
     print(describe_inputs(files, input_format=args.input_format), flush=True)
     out = train_tokenizer(files, args.out, vocab_size=args.vocab_size, cased=args.cased,

@@ -19,7 +19,6 @@ The array is written through a memory map batch by batch, so memory stays at one
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -206,7 +205,7 @@ def extract_features(model_dir: str | Path, input_file: str | Path, out_file: st
     return sidecar
 
 
-_DEFAULTS = {name: p.default for name, p in inspect.signature(extract_features).parameters.items()}
+_DEFAULTS = cli_args.defaults_of(extract_features)
 
 
 @dataclass
