@@ -34,7 +34,6 @@ Command line (what ``make demo`` runs): ``bert-ds-demo [--out demo_run] [--quick
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -50,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bert_ds.cli_args import build_parser, defaults_of, parse
 from bert_ds.devtools.heldout_dedup import DedupReport, DedupRule, deduplicate_file, leaks, read_documents
 from bert_ds.devtools.pretraining_gain import MIN_GAIN, TASK
 from bert_ds.errors import StepFailed, run_main
@@ -581,21 +581,26 @@ def run_demo(out: Path, *, quick: bool = False, settings: DemoSettings | None = 
     return scores
 
 
+@dataclass
+class DemoArgs:
+    """``bert-ds-demo``'s options (:mod:`bert_ds.cli_args`)."""
+
+    out: Path = Path("demo_run")
+    """Output directory; one the demo did not create is refused."""
+    quick: bool = defaults_of(run_demo)["quick"]
+    """10 warm-up steps and 6 + 6 instead of the full recipes (seconds of training; for tests): reports the accuracy
+    and the fine-tuning gain without requiring them."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-demo`` / ``tools/demo.py`` (``make demo``). Exit status 0 when the export reaches ``MIN_RATIO`` times
     the unigram baseline on held-out text and fine-tuning it beats random init by ``MIN_GAIN`` (``--quick`` only
     reports both), 1 when a step fails or either falls short, 2 when OUT is not the demo's directory. A second run
     reuses OUT/data when the corpus and settings are unchanged."""
-    parser = argparse.ArgumentParser(prog="bert-ds-demo", description="The bert_ds demo: real English text -> "
-                                     "tokenizer -> shards -> both phases with ZeRO-2 and LAMB on 2 CPU ranks -> "
-                                     "Hugging Face export -> held-out accuracy vs the unigram baseline and fill-mask "
-                                     "-> plot.")
-    parser.add_argument("--out", default="demo_run", type=Path,
-                        help="output directory (default: demo_run); one the demo did not create is refused")
-    parser.add_argument("--quick", action="store_true",
-                        help="10 warm-up steps and 6 + 6 instead of the full recipes (seconds of training; for tests): "
-                             "reports the accuracy and the fine-tuning gain without requiring them")
-    args = parser.parse_args(argv)
+    parser = build_parser(DemoArgs, "bert-ds-demo", "The bert_ds demo: real English text -> tokenizer -> shards -> "
+                          "both phases with ZeRO-2 and LAMB on 2 CPU ranks -> Hugging Face export -> held-out accuracy "
+                          "vs the unigram baseline and fill-mask -> plot.")
+    args = parse(DemoArgs, parser, argv)
     start = time.monotonic()
     # NotDemoDirectory exits 2 (nothing was touched: a usage error), any other DemoError 1.
     code = run_main(parser.prog, run_demo, args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
