@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from bert_ds.errors import error_lines
 from bert_ds.exit_codes import ExitCode
 
 __all__ = ["COMMANDS", "main", "usage"]
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not argv or argv[0] not in COMMANDS:
         given = f"unknown command {argv[0]!r}" if argv else "no command given"
-        sys.stderr.write(usage() + f"bert-ds: error: {given}; choose one of {', '.join(COMMANDS)}\n")
+        sys.stderr.write(usage() + error_lines("bert-ds", f"{given}; choose one of {', '.join(COMMANDS)}"))
         return ExitCode.BAD_INPUT
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[name][0])

@@ -7,13 +7,13 @@ Losses are weighted the same way: masked-LM loss by masked tokens, NSP loss by s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,8 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
+from bert_ds.cli_args import build_parser, defaults_of, option, parse
 from bert_ds.config import BertConfig
 from bert_ds.data.batch import MODEL_INPUTS
+from bert_ds.errors import run_main
 
 __all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "load_checkpoint_model", "recipe_kernels", "evaluate_checkpoint",
            "main"]
@@ -197,47 +199,58 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
     return {**metrics, "checkpoint": str(ref.checkpoint_dir), "tag": ref.tag}
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bert-ds-evaluate", description="Evaluate a bert_ds training checkpoint on "
-                                     "a held-out shard set; prints one JSON line on stdout, everything else on stderr.")
-    parser.add_argument("--checkpoint", required=True,
-                        help="DeepSpeed save dir, RUN_DIR/checkpoints ('latest', tag folders, model_config.json, "
-                             "tokenizer/)")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    parser.add_argument("--data", required=True, help="shard directory with index.json (e.g. made with "
-                        "bert-ds-create-shards from held-out text)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (default: 32)")
-    parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes (default: 0)")
-    parser.add_argument("--kernels", default=None, choices=("auto", "triton", "torch", "apex"),
-                        help="fused-op backend (default: the run's, from RUN_DIR/recipe.json; auto without one)")
-    args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_batches is not None and args.max_batches < 1:
-        parser.error(f"--max-batches must be >= 1, got {args.max_batches}")
-    return args
+_EVALUATE_DEFAULTS = defaults_of(evaluate_checkpoint)
+
+
+@dataclass(kw_only=True)
+class EvaluateArgs:
+    """``bert-ds-evaluate``'s options (:mod:`bert_ds.cli_args`); defaults are :func:`evaluate_checkpoint`'s."""
+
+    checkpoint: str
+    """DeepSpeed save dir, RUN_DIR/checkpoints ('latest', tag folders, model_config.json, tokenizer/)."""
+    tag: str | None = _EVALUATE_DEFAULTS["tag"]
+    """Checkpoint tag (default: the one named in 'latest')."""
+    data: str = option(help="shard directory with index.json (e.g. made with bert-ds-create-shards from held-out "
+                       "text)")
+    batch_size: int = _EVALUATE_DEFAULTS["batch_size"]
+    """Sequences per forward pass."""
+    max_batches: int | None = _EVALUATE_DEFAULTS["max_batches"]
+    """Stop after this many batches (default: all)."""
+    device: str | None = _EVALUATE_DEFAULTS["device"]
+    """Torch device (default: cuda if available, else cpu)."""
+    num_workers: int = option(_EVALUATE_DEFAULTS["num_workers"], help="data-loader worker processes (default: "
+                              "%(default)s)")
+    kernels: str | None = option(_EVALUATE_DEFAULTS["kernels"], choices=("auto", "triton", "torch", "apex"),
+                                 help="fused-op backend (default: the run's, from RUN_DIR/recipe.json; auto without "
+                                 "one)")
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_batches is not None and self.max_batches < 1:
+            raise ValueError(f"--max-batches must be >= 1, got {self.max_batches}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-evaluate`` / ``tools/evaluate.py``: exit 0 with one JSON line (mlm_accuracy, nsp_accuracy, mlm_loss,
     nsp_loss, samples, masked_tokens, checkpoint, tag) on stdout, 2 for a missing or incompatible input."""
-    args = _parse_args(argv)
+    parser = build_parser(EvaluateArgs, "bert-ds-evaluate", "Evaluate a bert_ds training checkpoint on a held-out "
+                          "shard set; prints one JSON line on stdout, everything else on stderr.")
+    args = parse(EvaluateArgs, parser, argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if not torch.cuda.is_available():
         # Consolidation imports DeepSpeed, which warns that it "was unable to detect" a GPU when it falls back to its
         # CPU accelerator by itself; naming the accelerator it would pick anyway keeps the output to one warning.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return run_main(None, _run, args)  # "error: ..." without the prog, as this command always wrote it
+
+
+def _run(args: EvaluateArgs) -> int:
     stdout = sys.stdout
     # DeepSpeed and zero_to_fp32 print to stdout; keep stdout for the one JSON line.
     with contextlib.redirect_stdout(sys.stderr):
-        try:
-            metrics = evaluate_checkpoint(args.checkpoint, args.data, tag=args.tag, batch_size=args.batch_size,
-                                          max_batches=args.max_batches, device=args.device,
-                                          num_workers=args.num_workers, kernels=args.kernels)
-        except (FileNotFoundError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        metrics = evaluate_checkpoint(args.checkpoint, args.data, tag=args.tag, batch_size=args.batch_size,
+                                      max_batches=args.max_batches, device=args.device, num_workers=args.num_workers,
+                                      kernels=args.kernels)
     print(json.dumps(metrics), file=stdout, flush=True)
     return 0

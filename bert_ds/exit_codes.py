@@ -22,6 +22,10 @@ class ExitCode(IntEnum):
     already written is lost."""
     NONFINITE = 3
     """Non-finite loss or weights: the last good checkpoint is kept."""
+    IO_ERROR = 74
+    """The storage failed under a command: disk full, quota exceeded, an I/O error (``ENOSPC``, ``EDQUOT``, ``EIO``,
+    ``EFBIG``; :class:`bert_ds.errors.StorageError`). Not the input's fault, and not retryable as it stands: free
+    space or fix the mount, then rerun (pre-training: ``--resume auto``). 74 is ``EX_IOERR`` of sysexits.h."""
     STALLED = 124
     """A rank made no progress for ``--step-timeout`` seconds (a stuck collective, a dead mount, a lost GPU): every
     rank exits after a line naming the stalled ranks (host, local rank, pid) and what each last did; retryable with

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from bert_ds.deepspeed_internals import PICKLED_CLASSES
+from bert_ds.errors import BadInput
 
 __all__ = ["ALLOWED_GLOBALS", "CheckpointError", "UnsafeCheckpointError", "deepspeed_loads_weights_only",
            "load_tensor_file"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A run directory that cannot be read as asked; the message names the path and what is missing."""
 
 

@@ -234,10 +234,20 @@ def test_no_import_cycle_in_bert_ds():
 
 def test_safe_load_and_the_deepspeed_boundary_are_leaves():
     """The DeepSpeed boundary imports nothing of bert_ds; the safe loader imports only it (DeepSpeed's pickled
-    classes)."""
+    classes) and the error base (its errors are bad input)."""
     graph = import_graph()
     assert graph["bert_ds.deepspeed_internals"] == set()
-    assert graph["bert_ds.safe_load"] <= {"bert_ds.deepspeed_internals"}
+    assert graph["bert_ds.safe_load"] <= {"bert_ds.deepspeed_internals", "bert_ds.errors"}
+
+
+def test_the_front_door_machinery_is_a_floor_of_leaves():
+    """Every command imports the errors and the argument generator, so they import nothing above them: the exit-code
+    table and the argument generator import nothing of bert_ds, the errors only the table, the front door only the
+    errors and the table (it runs each command by name)."""
+    graph = import_graph()
+    assert graph["bert_ds.exit_codes"] == set() and graph["bert_ds.cli_args"] == set()
+    assert graph["bert_ds.errors"] == {"bert_ds.exit_codes"}
+    assert graph["bert_ds.cli"] <= {"bert_ds.errors", "bert_ds.exit_codes"}
 
 
 # ---- resume reads the run directory through its owner ---------------------------------------------------------------

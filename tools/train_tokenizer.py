@@ -1,6 +1,8 @@
 """Train a BERT WordPiece vocabulary: thin CLI over ``bert_ds.data.tokenizer.train_tokenizer``."""
 
+import sys
+
 from bert_ds.data.tokenizer import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

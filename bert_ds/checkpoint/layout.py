@@ -38,6 +38,7 @@ import torch
 
 from bert_ds.config import BertConfig
 from bert_ds.data.tokenizer import META_NAME, load_tokenizer, read_lowercase
+from bert_ds.errors import StorageError
 from bert_ds.safe_load import CheckpointError
 
 __all__ = ["CHECKPOINT_DIR", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME",
@@ -56,8 +57,11 @@ _TAG = re.compile(r"^phase(\d+)-step(\d+)$")
 _TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
 
 
-class CheckpointSaveError(CheckpointError):
-    """A save failed on some rank (disk full, quota, I/O error); the partial tag is gone, ``latest`` is intact."""
+class CheckpointSaveError(CheckpointError, StorageError):
+    """A save failed on some rank (disk full, quota, I/O error); the partial tag is gone, ``latest`` is intact. Exit
+    74, not bad input; still a CheckpointError (and so a ValueError) for callers that catch those."""
+
+    exit_code = StorageError.exit_code
 
 
 class RunLockedError(CheckpointError):

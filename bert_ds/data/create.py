@@ -32,7 +32,6 @@ documents (``document_cuts``, nothing lost). Only inputs from which no chunk can
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import multiprocessing
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bert_ds.cli_args import build_parser, defaults_of, option, parse
 from bert_ds.data.format import MEMBER_SUFFIX, Sample, encode_sample, encode_samples, id_dtype_for_vocab
 from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardInfo, ShardWriter, shard_name
 from bert_ds.data.masking import (
@@ -61,11 +61,10 @@ from bert_ds.data.pairs import Pair, create_pairs, pair_input_ids, tokenize_docu
 from bert_ds.data.text import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SENTENCE_CHARS,
+    InputArgs,
     RawDocument,
     SkipCounts,
     TextLimits,
-    add_input_args,
-    add_limit_args,
     describe_inputs,
     detect_format,
     drop_long_sentences,
@@ -76,6 +75,7 @@ from bert_ds.data.text import (
     split_sentences,
 )
 from bert_ds.data.tokenizer import WordPieceTokenizer, load_tokenizer
+from bert_ds.errors import run_main
 
 __all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "shard_index", "main"]
 
@@ -575,45 +575,53 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
     return index
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bert-ds-create-shards", description=__doc__.splitlines()[0])
-    add_input_args(parser)
-    parser.add_argument("--tokenizer", required=True, metavar="DIR",
-                        help="tokenizer directory holding vocab.txt (tools/train_tokenizer.py's --out, or Google's)")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sample: 128 (phase 1) or 512 (phase 2)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory: shards + index.json")
-    parser.add_argument("--max-predictions", type=int, default=None,
-                        help="masked positions per sample (default: 20 at seq 128, 80 at 512, as Google/NVIDIA)")
-    parser.add_argument("--dupe-factor", type=int, default=1,
-                        help="copies of the corpus, each with other pairs and masks (default %(default)s; NVIDIA's "
-                             "recipe uses 5, Google's 10)")
-    parser.add_argument("--short-seq-prob", type=float, default=0.1,
-                        help="probability of a shorter random target length (default %(default)s, Google's)")
-    parser.add_argument("--masked-lm-prob", type=float, default=0.15,
-                        help="fraction of tokens masked (default %(default)s, BERT paper §3.1)")
-    parser.add_argument("--whole-word-mask", action="store_true", help="mask all pieces of a word together")
-    parser.add_argument("--seed", type=int, default=12345, help="the output depends only on the inputs and this "
-                                                                 "(default %(default)s)")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="processes per rank (under mpirun: per MPI rank; default %(default)s)")
-    parser.add_argument("--samples-per-shard", type=int, default=10000, help="default %(default)s")
-    parser.add_argument("--overwrite", action="store_true", help="replace a shard set already in --out")
-    add_limit_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        files = input_files(args.input, args.input_pattern)
-        if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
-            print(describe_inputs(files, input_format=args.input_format), flush=True)
-        index = create_shards(files, args.tokenizer, args.out, seq_len=args.seq_len,
-                              max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
-                              short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
-                              whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,
-                              samples_per_shard=args.samples_per_shard, overwrite=args.overwrite,
-                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
-                              input_format=args.input_format)
-    except (ValueError, OSError) as exc:  # bad input or an unusable output: one line naming it, no traceback
-        print(f"bert-ds-create-shards: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+_CREATE_DEFAULTS = defaults_of(create_shards)
+
+
+@dataclass(kw_only=True)
+class CreateShardsArgs(InputArgs):
+    """``bert-ds-create-shards``' options (:mod:`bert_ds.cli_args`); defaults are :func:`create_shards`'."""
+
+    tokenizer: str = option(metavar="DIR", help="tokenizer directory holding vocab.txt (tools/train_tokenizer.py's "
+                            "--out, or Google's)")
+    seq_len: int
+    """Tokens per sample: 128 (phase 1) or 512 (phase 2)."""
+    out: str = option(metavar="DIR", help="output directory: shards + index.json")
+    max_predictions: int | None = _CREATE_DEFAULTS["max_predictions"]
+    """Masked positions per sample (default: 20 at seq 128, 80 at 512, as Google/NVIDIA)."""
+    dupe_factor: int = option(_CREATE_DEFAULTS["dupe_factor"], help="copies of the corpus, each with other pairs and "
+                              "masks (default %(default)s; NVIDIA's recipe uses 5, Google's 10)")
+    short_seq_prob: float = option(_CREATE_DEFAULTS["short_seq_prob"], help="probability of a shorter random target "
+                                   "length (default %(default)s, Google's)")
+    masked_lm_prob: float = option(_CREATE_DEFAULTS["masked_lm_prob"], help="fraction of tokens masked (default "
+                                   "%(default)s, BERT paper §3.1)")
+    whole_word_mask: bool = _CREATE_DEFAULTS["whole_word_mask"]
+    """Mask all pieces of a word together."""
+    seed: int = _CREATE_DEFAULTS["seed"]
+    """The output depends only on the inputs and this."""
+    workers: int = _CREATE_DEFAULTS["workers"]
+    """Processes per rank (under mpirun: per MPI rank)."""
+    samples_per_shard: int = _CREATE_DEFAULTS["samples_per_shard"]
+    overwrite: bool = _CREATE_DEFAULTS["overwrite"]
+    """Replace a shard set already in --out."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(CreateShardsArgs, "bert-ds-create-shards", __doc__.splitlines()[0])
+    return run_main(parser.prog, _run, parse(CreateShardsArgs, parser, argv))
+
+
+def _run(args: CreateShardsArgs) -> None:
+    files = input_files(args.input, args.input_pattern)
+    if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
+        print(describe_inputs(files, input_format=args.input_format), flush=True)
+    index = create_shards(files, args.tokenizer, args.out, seq_len=args.seq_len,
+                          max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
+                          short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob,
+                          whole_word_mask=args.whole_word_mask, seed=args.seed, workers=args.workers,
+                          samples_per_shard=args.samples_per_shard, overwrite=args.overwrite,
+                          max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
+                          input_format=args.input_format)
     if _mpi_comm() is None or _mpi_comm().Get_rank() == 0:
         skipped = index.extra["skipped"]
         print(f"wrote {len(index.shards)} shards, {index.total_samples} samples to {args.out}/{INDEX_NAME}; "
@@ -622,4 +630,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bert_ds.errors import BadInput
+
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MEMBER_SUFFIX", "HEADER_SIZE", "ShardError", "Sample", "id_dtype_for_vocab",
     "encode_sample", "encode_samples", "decode_sample", "check_record_headers",
@@ -38,7 +40,7 @@ _HEADER = struct.Struct("<HHHBB")
 HEADER_SIZE = _HEADER.size
 
 
-class ShardError(ValueError):
+class ShardError(BadInput):
     """A shard or record that does not match ``index.json`` or this layout. The message is one line naming the shard,
     the member where known, and the field: newlines are escaped, so the line a training job prints is the whole
     story (member names come from the file itself and could hold anything)."""

@@ -20,9 +20,7 @@ and the field.
 
 from __future__ import annotations
 
-import argparse
 import mmap
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,8 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bert_ds.cli_args import build_parser, option, parse
 from bert_ds.data.format import HEADER_SIZE, MEMBER_SUFFIX, Sample, ShardError, check_record_headers, decode_sample
 from bert_ds.data.index import INDEX_NAME, ShardIndex, file_sha256
+from bert_ds.errors import BadInput, run_main
 
 __all__ = ["ShardError", "TarMembers", "scan_tar", "ShardReader", "VERIFY_MODES", "VerifyReport", "verify_shard_set",
            "main"]
@@ -364,24 +364,30 @@ def verify_shard_set(directory: str | Path, level: str = "headers") -> VerifyRep
     return report
 
 
-EXIT_BAD_SHARDS = 2
+@dataclass
+class VerifyArgs:
+    """``bert-ds-verify-shards``' options (:mod:`bert_ds.cli_args`). Its level defaults to the thorough one, not
+    :func:`verify_shard_set`'s: a command run by hand can afford to read everything."""
+
+    dirs: list[str] = option(positional=True, metavar="DIR", help="shard set directories (each holds index.json)")
+    level: str = option("sha256", choices=VERIFY_MODES, help="size: stat each file; headers: + tar headers, counts "
+                        "and every record header (fast); sha256: + each file's checksum (reads everything)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``bert-ds-verify-shards DIR [DIR ...] [--level size|headers|sha256]``: exit 0 when every set is clean, else
     print one line per bad shard (shard, member, field) on stderr and exit 2."""
-    parser = argparse.ArgumentParser(prog="bert-ds-verify-shards",
-                                     description="Check shard sets against their index.json without training.")
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="shard set directories (each holds index.json)")
-    parser.add_argument("--level", choices=VERIFY_MODES, default="sha256",
-                        help="size: stat each file; headers: + tar headers, counts and every record header "
-                             "(fast); sha256: + each file's checksum (reads everything). Default: sha256")
-    args = parser.parse_args(argv)
-    bad = 0
+    parser = build_parser(VerifyArgs, "bert-ds-verify-shards", "Check shard sets against their index.json without "
+                          "training.")
+    return run_main(parser.prog, _verify, parse(VerifyArgs, parser, argv))
+
+
+def _verify(args: VerifyArgs) -> None:
+    """Every set's summary on stdout; then one error line per bad shard of every set (exit 2)."""
+    errors = []
     for directory in args.dirs:
         report = verify_shard_set(directory, args.level)
-        for line in report.errors:
-            print(f"bert-ds-verify-shards: error: {line}", file=sys.stderr, flush=True)
         print(report.summary(), flush=True)
-        bad += len(report.errors)
-    return EXIT_BAD_SHARDS if bad else 0
+        errors += report.errors
+    if errors:
+        raise BadInput("\n".join(errors))  # each line already one ShardError's

@@ -50,7 +50,6 @@ segment at seq_len 512 is ~2,200 characters; a long book is a few MB).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -58,10 +57,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from bert_ds.cli_args import option
+
 __all__ = ["JSONL_SUFFIXES", "INPUT_FORMATS", "DEFAULT_MAX_DOCUMENT_BYTES", "DEFAULT_MAX_SENTENCE_CHARS",
            "TextLimits", "SkipCounts", "input_files", "detect_format", "input_bytes", "describe_inputs",
            "RawDocument", "iter_documents", "iter_training_texts", "split_sentences", "drop_long_sentences",
-           "sentence_splitter_name", "add_input_args", "add_limit_args"]
+           "sentence_splitter_name", "InputArgs"]
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 INPUT_FORMATS = ("auto", "bert", "jsonl", "wikiextractor", "parquet")
@@ -104,22 +105,6 @@ class TextLimits:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
-def add_input_args(parser: argparse.ArgumentParser) -> None:
-    """``--input`` / ``--input-pattern`` / ``--input-format``, shared by both data-prep CLIs."""
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|DIR",
-                        help="text files or directories, read recursively in sorted order (hidden files skipped); "
-                             "the files read are listed, with their format, before any work")
-    parser.add_argument("--input-pattern", metavar="GLOB", default=None,
-                        help="read only the files below an --input directory whose name matches GLOB, e.g. "
-                             "'*.txt' (default: every file)")
-    parser.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
-                        help="bert: one sentence per line, blank line between documents; jsonl: one JSON object per "
-                             "line with a 'text' field; wikiextractor: WikiExtractor output, <doc> blocks or --json; "
-                             "parquet: a 'text' column. auto (default): .parquet is Parquet, else the first non-blank "
-                             "line decides (<doc id=..> header, JSON object, else BERT layout; .jsonl/.json are "
-                             "always JSON lines)")
-
-
 def describe_inputs(files: Sequence[Path], limit: int = 10, input_format: str = "auto") -> str:
     """One line per input file (up to ``limit``) with its size and format, for a CLI to print before it starts (a
     file whose format cannot be read fails here, before any work)."""
@@ -131,14 +116,27 @@ def describe_inputs(files: Sequence[Path], limit: int = 10, input_format: str = 
     return "\n".join(lines)
 
 
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    """The ``--max-document-bytes`` / ``--max-sentence-chars`` options both data-prep CLIs share."""
-    parser.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES, metavar="N",
-                        help="skip (and count) a line longer than N bytes without holding it (a BERT-layout sentence "
-                             "or a JSON-lines document); cut a BERT-layout document at N bytes (default %(default)s)")
-    parser.add_argument("--max-sentence-chars", type=int, default=DEFAULT_MAX_SENTENCE_CHARS, metavar="N",
-                        help="skip (and count) a sentence longer than N characters (default %(default)s; at seq_len "
-                             "512 a whole segment is ~2,200)")
+@dataclass(kw_only=True)
+class InputArgs:
+    """The options both data-prep CLIs share (bert-ds-train-tokenizer, bert-ds-create-shards; :mod:`bert_ds.cli_args`
+    generates them): what to read, and the limits applied while reading."""
+
+    input: list[str] = option(nargs="+", metavar="FILE|DIR", help="text files or directories, read recursively in "
+                              "sorted order (hidden files skipped); the files read are listed, with their format, "
+                              "before any work")
+    input_pattern: str | None = option(None, metavar="GLOB", help="read only the files below an --input directory "
+                                       "whose name matches GLOB, e.g. '*.txt' (default: every file)")
+    input_format: str = option("auto", choices=INPUT_FORMATS, help="bert: one sentence per line, blank line "
+                               "between documents; jsonl: one JSON object per line with a 'text' field; "
+                               "wikiextractor: WikiExtractor output, <doc> blocks or --json; parquet: a 'text' column. "
+                               "auto (default): .parquet is Parquet, else the first non-blank line decides (<doc "
+                               "id=..> header, JSON object, else BERT layout; .jsonl/.json are always JSON lines)")
+    max_document_bytes: int = option(DEFAULT_MAX_DOCUMENT_BYTES, metavar="N", help="skip (and count) a line longer "
+                                     "than N bytes without holding it (a BERT-layout sentence or a JSON-lines "
+                                     "document); cut a BERT-layout document at N bytes")
+    max_sentence_chars: int = option(DEFAULT_MAX_SENTENCE_CHARS, metavar="N", help="skip (and count) a sentence "
+                                     "longer than N characters (default %(default)s; at seq_len 512 a whole segment "
+                                     "is ~2,200)")
 
 
 @dataclass

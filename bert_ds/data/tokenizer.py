@@ -15,7 +15,6 @@ loader, the shard index and the exporter ask here instead of parsing the files t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import itertools
@@ -34,18 +33,19 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
+from bert_ds.cli_args import build_parser, defaults_of, option, parse
 from bert_ds.data.text import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SENTENCE_CHARS,
+    InputArgs,
     SkipCounts,
     TextLimits,
-    add_input_args,
-    add_limit_args,
     describe_inputs,
     detect_format,
     input_files,
     iter_training_texts,
 )
+from bert_ds.errors import run_main
 
 __all__ = [
     "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "read_vocab", "read_lowercase", "vocab_sha256",
@@ -501,30 +501,38 @@ def load_tokenizer(directory: str | Path) -> WordPieceTokenizer:
     return WordPieceTokenizer(directory, vocab, lowercase, inner)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bert-ds-train-tokenizer", description=__doc__.splitlines()[0])
-    add_input_args(parser)
-    parser.add_argument("--vocab-size", type=int, default=30522,
-                        help="WordPiece vocabulary size (default %(default)s, Google's BERT vocabularies)")
-    parser.add_argument("--out", required=True,
-                        help="output directory for vocab.txt, tokenizer.json and tokenizer_meta.json")
-    parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lowercase, strip)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a non-empty --out")
-    add_limit_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        files = input_files(args.input, args.input_pattern)
-        print(describe_inputs(files, input_format=args.input_format), flush=True)
-        out = train_tokenizer(files, args.out, vocab_size=args.vocab_size, cased=args.cased,
-                              max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
-                              overwrite=args.overwrite, input_format=args.input_format)
-    except (ValueError, OSError) as exc:  # bad input or an unusable --out: one line naming it, no traceback
-        print(f"bert-ds-train-tokenizer: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+_TRAIN_DEFAULTS = defaults_of(train_tokenizer)
+
+
+@dataclass(kw_only=True)
+class TrainTokenizerArgs(InputArgs):
+    """``bert-ds-train-tokenizer``'s options (:mod:`bert_ds.cli_args`); defaults are :func:`train_tokenizer`'s."""
+
+    vocab_size: int = option(_TRAIN_DEFAULTS["vocab_size"], help="WordPiece vocabulary size (default %(default)s, "
+                             "Google's BERT vocabularies)")
+    out: str
+    """Output directory for vocab.txt, tokenizer.json and tokenizer_meta.json."""
+    cased: bool = _TRAIN_DEFAULTS["cased"]
+    """Keep case and accents (default: lowercase, strip)."""
+    overwrite: bool = _TRAIN_DEFAULTS["overwrite"]
+    """Replace the tokenizer files of a non-empty --out."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(TrainTokenizerArgs, "bert-ds-train-tokenizer", __doc__.splitlines()[0])
+    return run_main(parser.prog, _run, parse(TrainTokenizerArgs, parser, argv))
+
+
+def _run(args: TrainTokenizerArgs) -> None:
+    files = input_files(args.input, args.input_pattern)
+    print(describe_inputs(files, input_format=args.input_format), flush=True)
+    out = train_tokenizer(files, args.out, vocab_size=args.vocab_size, cased=args.cased,
+                          max_document_bytes=args.max_document_bytes, max_sentence_chars=args.max_sentence_chars,
+                          overwrite=args.overwrite, input_format=args.input_format)
     skipped = json.loads((out / META_NAME).read_text(encoding="utf-8"))["skipped"]
     print(f"wrote {out / VOCAB_NAME} ({load_tokenizer(out).vocab_size} tokens); skipped {skipped['long_lines']} "
           f"line(s) over --max-document-bytes and {skipped['long_sentences']} sentence(s) over --max-sentence-chars")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

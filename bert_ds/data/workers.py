@@ -26,13 +26,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from bert_ds.data.masking import counter_hash
 from bert_ds.data.reader import ShardError
+from bert_ds.errors import StepFailed
 
 __all__ = ["LoaderWorkerError", "iterate", "raise_if_worker_died"]
 
 _TAG_WORKERS = 0x574B5253  # the DataLoader's own generator (worker base seeds): counter_hash(_TAG_WORKERS, seed)
 
 
-class LoaderWorkerError(RuntimeError):
+class LoaderWorkerError(StepFailed):
     """A DataLoader worker process died (killed by a signal, e.g. SIGBUS on a shard truncated while mapped, or the
     out-of-memory killer); the one-line message names the shard and member it was reading."""
 

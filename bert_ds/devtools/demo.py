@@ -34,7 +34,6 @@ Command line (what ``make demo`` runs): ``bert-ds-demo [--out demo_run] [--quick
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -50,8 +49,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bert_ds.cli_args import build_parser, defaults_of, parse
 from bert_ds.devtools.heldout_dedup import DedupReport, DedupRule, deduplicate_file, leaks, read_documents
 from bert_ds.devtools.pretraining_gain import MIN_GAIN, TASK
+from bert_ds.errors import StepFailed, run_main
+from bert_ds.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -69,12 +71,14 @@ MIN_RATIO = 2.0
 """The full demo fails unless the export's held-out masked-LM accuracy is this multiple of the baseline."""
 
 
-class DemoError(RuntimeError):
+class DemoError(StepFailed):
     """A step failed or the export did not learn enough: the message says which and what to do."""
 
 
 class NotDemoDirectory(DemoError):
     """The output directory exists and holds something the demo did not write: it is left alone."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -577,29 +581,32 @@ def run_demo(out: Path, *, quick: bool = False, settings: DemoSettings | None = 
     return scores
 
 
+@dataclass
+class DemoArgs:
+    """``bert-ds-demo``'s options (:mod:`bert_ds.cli_args`)."""
+
+    out: Path = Path("demo_run")
+    """Output directory; one the demo did not create is refused."""
+    quick: bool = defaults_of(run_demo)["quick"]
+    """10 warm-up steps and 6 + 6 instead of the full recipes (seconds of training; for tests): reports the accuracy
+    and the fine-tuning gain without requiring them."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-demo`` / ``tools/demo.py`` (``make demo``). Exit status 0 when the export reaches ``MIN_RATIO`` times
     the unigram baseline on held-out text and fine-tuning it beats random init by ``MIN_GAIN`` (``--quick`` only
     reports both), 1 when a step fails or either falls short, 2 when OUT is not the demo's directory. A second run
     reuses OUT/data when the corpus and settings are unchanged."""
-    parser = argparse.ArgumentParser(prog="bert-ds-demo", description="The bert_ds demo: real English text -> "
-                                     "tokenizer -> shards -> both phases with ZeRO-2 and LAMB on 2 CPU ranks -> "
-                                     "Hugging Face export -> held-out accuracy vs the unigram baseline and fill-mask "
-                                     "-> plot.")
-    parser.add_argument("--out", default="demo_run", type=Path,
-                        help="output directory (default: demo_run); one the demo did not create is refused")
-    parser.add_argument("--quick", action="store_true",
-                        help="10 warm-up steps and 6 + 6 instead of the full recipes (seconds of training; for tests): "
-                             "reports the accuracy and the fine-tuning gain without requiring them")
-    args = parser.parse_args(argv)
+    parser = build_parser(DemoArgs, "bert-ds-demo", "The bert_ds demo: real English text -> tokenizer -> shards -> "
+                          "both phases with ZeRO-2 and LAMB on 2 CPU ranks -> Hugging Face export -> held-out accuracy "
+                          "vs the unigram baseline and fill-mask -> plot.")
+    args = parse(DemoArgs, parser, argv)
     start = time.monotonic()
-    try:
-        run_demo(args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
-    except DemoError as exc:  # NotDemoDirectory included: nothing was touched, so a usage error
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, NotDemoDirectory) else 1
-    print(f"demo finished in {time.monotonic() - start:.0f} s")
-    return 0
+    # NotDemoDirectory exits 2 (nothing was touched: a usage error), any other DemoError 1.
+    code = run_main(parser.prog, run_demo, args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
+    if code == 0:
+        print(f"demo finished in {time.monotonic() - start:.0f} s")
+    return code
 
 
 if __name__ == "__main__":

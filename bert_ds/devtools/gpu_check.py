@@ -45,6 +45,7 @@ import torch
 
 import bert_ds.kernels as kernels
 from bert_ds.config import BertConfig, model_preset
+from bert_ds.errors import run_main
 from bert_ds.runtime.metrics import peak_tflops_for, training_flops_per_sequence
 
 __all__ = ["Item", "check_kernels", "jit_matches_aot", "main", "measure_kernel_speed", "measure_training",
@@ -625,7 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--batch-{seq}", type=int, default=b, dest=f"batch_{seq}",
                             help=f"micro-batch at seq {seq} (default: %(default)s; halved on out-of-memory)")
     parser.add_argument("--child", choices=sorted(_CHILD_SECTIONS), help=argparse.SUPPRESS)  # internal
-    args = parser.parse_args(argv)
+    return run_main(parser.prog, _check, parser.parse_args(argv))
+
+
+def _check(args: argparse.Namespace) -> int:
     if args.child:
         args.out.write_text(json.dumps([dataclasses.asdict(i) for i in _CHILD_SECTIONS[args.child]()]))
         return 0

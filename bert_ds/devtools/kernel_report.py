@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from bert_ds.errors import BadInput, run_main
 from bert_ds.kernels import aot
 
 __all__ = ["main"]
@@ -31,13 +32,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also build the known-bad variants each check must reject (aot.controls)")
     parser.add_argument("--json", type=Path, help="write every row (all opcode counts, checks) to this file")
     parser.add_argument("--sass", metavar="KERNEL", help="print the SASS of the builds of KERNEL instead of the table")
-    args = parser.parse_args(argv)
+    return run_main(parser.prog, _report, parser.parse_args(argv))
+
+
+def _report(args: argparse.Namespace) -> int:
     targets = [t for t in aot.TARGETS if not args.arch or t.arch in args.arch]
     builds = aot.kernel_builds(targets)
     if args.sass:
         chosen = [b for b in builds if b.kernel == args.sass]
         if not chosen:
-            parser.error(f"no build of {args.sass!r}; kernels: {sorted({b.kernel for b in builds})}")
+            raise BadInput(f"--sass: no build of {args.sass!r}; kernels: {sorted({b.kernel for b in builds})}")
         for b in chosen:
             print(f"// {b.kernel} [{b.label}] sm_{b.target.arch} (shapes: {', '.join(b.shapes)})")
             print(aot.sass(aot.compile_build(b).asm["cubin"]))

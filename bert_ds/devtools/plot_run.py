@@ -11,11 +11,13 @@ display) and tensorboard (installed with bert_ds). Exit status 2 when there is n
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.errors import run_main
 
 __all__ = ["PANELS", "PlotResult", "find_event_dir", "main", "plot_run", "read_scalars"]
 
@@ -165,18 +167,28 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     return result
 
 
+_PLOT_DEFAULTS = defaults_of(plot_run)
+
+
+@dataclass
+class PlotArgs:
+    """``bert-ds-plot-run``'s options (:mod:`bert_ds.cli_args`); defaults are :func:`plot_run`'s."""
+
+    run_dir: str = option(positional=True, metavar="RUN_DIR", help="run directory (with tensorboard/) or a "
+                          "TensorBoard dir")
+    out: str | None = option(_PLOT_DEFAULTS["out"], metavar="PNG", help="output PNG (default: RUN_DIR/curves.png)")
+    title: str | None = _PLOT_DEFAULTS["title"]
+    """Figure title (default: the run directory's name)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-plot-run`` / ``tools/plot_run.py``: exit 0 after writing the PNG, 2 when there is nothing to plot."""
-    parser = argparse.ArgumentParser(prog="bert-ds-plot-run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (with tensorboard/) or a TensorBoard dir")
-    parser.add_argument("--out", default=None, metavar="PNG", help="output PNG (default: RUN_DIR/curves.png)")
-    parser.add_argument("--title", default=None, help="figure title (default: the run directory's name)")
-    args = parser.parse_args(argv)
-    try:
-        result = plot_run(args.run_dir, args.out, args.title)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+    parser = build_parser(PlotArgs, "bert-ds-plot-run", __doc__.split("\n\n")[0])
+    return run_main(parser.prog, _run, parse(PlotArgs, parser, argv))
+
+
+def _run(args: PlotArgs) -> int:
+    result = plot_run(args.run_dir, args.out, args.title)
     note = f" (not in this run: {', '.join(result.missing)})" if result.missing else ""
     print(f"wrote {result.path}: {len(result.tags)} curves{note}")
     return 0

@@ -19,7 +19,6 @@ The array is written through a memory map batch by batch, so memory stays at one
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -29,6 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bert_ds import cli_args
+from bert_ds.cli_args import option
+from bert_ds.errors import run_main
 
 __all__ = ["PAIR_SEPARATOR", "COMBINATIONS", "POOLINGS", "FeatureSpec", "parse_layers", "default_layers",
            "resolve_layers", "read_sequences", "combine_layers", "pool", "extract_features", "main"]
@@ -46,7 +49,9 @@ class FeatureSpec:
     """Hidden-state indices (0 = embeddings, negative from the last layer). None: the last four encoder layers, BERT
     paper §5.3's best (every encoder layer of a model with fewer than four, :func:`default_layers`)."""
     combine: str = "concat"
+    """How the layers are combined: one of :data:`COMBINATIONS`."""
     pooling: str = "tokens"
+    """One of :data:`POOLINGS`."""
 
     def __post_init__(self) -> None:
         if self.layers is not None and not self.layers:
@@ -200,41 +205,47 @@ def extract_features(model_dir: str | Path, input_file: str | Path, out_file: st
     return sidecar
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bert-ds-extract-features", description="Write fixed BERT features of a "
-                                     "text file (BERT paper §5.3) to .npy, with a .json sidecar describing them.")
-    parser.add_argument("--model", required=True, help="export directory (bert-ds-convert-checkpoint --out)")
-    parser.add_argument("--input", required=True, help=f"text file, one sequence a line; 'A{PAIR_SEPARATOR}B' is a "
-                        "sentence pair")
-    parser.add_argument("--out", required=True, help="output .npy (the sidecar is the same name with .json)")
-    parser.add_argument("--layers", default=None, help="hidden states to combine: 0 = embeddings, 1..L the "
-                        "layers, negative from the last (default: -1,-2,-3,-4, the paper's last four; every encoder "
-                        "layer of a model with fewer)")
-    parser.add_argument("--combine", choices=COMBINATIONS, default="concat",
-                        help="how the layers are combined (default: concat)")
-    parser.add_argument("--pooling", choices=POOLINGS, default="tokens", help="tokens: one vector per WordPiece; "
-                        "cls: the [CLS] vector; mean: the mean over the sequence's tokens (default: tokens)")
-    parser.add_argument("--max-seq-length", type=int, default=128,
-                        help="WordPieces per sequence, [CLS]/[SEP] included; longer lines are truncated (default: 128)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (default: 32)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    args = parser.parse_args(argv)
-    for name in ("max_seq_length", "batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return args
+_DEFAULTS = cli_args.defaults_of(extract_features)
+
+
+@dataclass
+class FeaturesArgs:
+    """``bert-ds-extract-features``' options (:mod:`bert_ds.cli_args`); the defaults are FeatureSpec's and
+    :func:`extract_features`' own, read from there. Checked when the command runs, so a bad value is one line."""
+
+    model: str
+    """Export directory (bert-ds-convert-checkpoint --out)."""
+    input: str = option(help=f"text file, one sequence a line; 'A{PAIR_SEPARATOR}B' is a sentence pair")
+    out: str = option(help="output .npy (the sidecar is the same name with .json)")
+    layers: str | None = None
+    """Hidden states to combine: 0 = embeddings, 1..L the layers, negative from the last (default: -1,-2,-3,-4, the
+    paper's last four; every encoder layer of a model with fewer)."""
+    combine: str = option(FeatureSpec.combine, choices=COMBINATIONS, help="how the layers are combined")
+    pooling: str = option(FeatureSpec.pooling, choices=POOLINGS, help="tokens: one vector per WordPiece; cls: the "
+                          "[CLS] vector; mean: the mean over the sequence's tokens")
+    max_seq_length: int = _DEFAULTS["max_seq_length"]
+    """WordPieces per sequence, [CLS]/[SEP] included; longer lines are truncated."""
+    batch_size: int = _DEFAULTS["batch_size"]
+    """Sequences per forward pass."""
+    device: str | None = None
+    """Torch device (default: cuda if available, else cpu)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-extract-features`` / ``tools/extract_features.py``: exit 0 after writing, 2 for bad input."""
-    args = _parse_args(argv)
+    parser = cli_args.build_parser(FeaturesArgs, "bert-ds-extract-features", "Write fixed BERT features of a text "
+                                   "file (BERT paper §5.3) to .npy, with a .json sidecar describing them.")
+    args = cli_args.parse(FeaturesArgs, parser, argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        spec = FeatureSpec(parse_layers(args.layers) if args.layers is not None else None, args.combine, args.pooling)
-        sidecar = extract_features(args.model, args.input, args.out, spec, max_seq_length=args.max_seq_length,
-                                   batch_size=args.batch_size, device=args.device)
-    except (OSError, ValueError) as exc:
-        print(f"bert-ds-extract-features: error: {exc}", file=sys.stderr)
-        return 2
+    return run_main(parser.prog, _run, args)
+
+
+def _run(args: FeaturesArgs) -> int:
+    for name in ("max_seq_length", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    spec = FeatureSpec(parse_layers(args.layers) if args.layers is not None else None, args.combine, args.pooling)
+    sidecar = extract_features(args.model, args.input, args.out, spec, max_seq_length=args.max_seq_length,
+                               batch_size=args.batch_size, device=args.device)
     print(f"wrote {args.out} {tuple(sidecar['shape'])} and {Path(args.out).with_suffix('.json')}")
     return 0

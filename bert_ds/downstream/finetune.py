@@ -29,17 +29,20 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bert_ds import cli_args
+from bert_ds.cli_args import option
 from bert_ds.downstream import qa
 from bert_ds.downstream.identity import check_vocabulary, file_sha256, model_sha256
 from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
 from bert_ds.downstream.readers import DownstreamInputError, read_split
 from bert_ds.downstream.tasks import MAX_SEQ_LENGTH, QA_MAX_SEQ_LENGTH, TASKS, TaskSpec, task_spec
+from bert_ds.errors import run_main
 from bert_ds.export.convert import apply_umask
 
 __all__ = ["METRICS_NAME", "PREDICTIONS_NAME", "FinetuneArgs", "label_names", "split_files", "check_casing",
@@ -55,46 +58,67 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class FinetuneArgs:
-    """One fine-tuning run. Defaults from the BERT paper's §A.3 ranges (batch 32, lr 5e-5, 3 epochs), Google's
-    ``run_classifier.py`` (10% linear warm-up, then linear decay) and ``run_squad.py`` (stride 128, query 64, n-best
-    20, answers of at most 30 tokens)."""
+    """One fine-tuning run; its fields are ``bert-ds-finetune``'s options (:mod:`bert_ds.cli_args`). Defaults from the
+    BERT paper's §A.3 ranges (batch 32, lr 5e-5, 3 epochs), Google's ``run_classifier.py`` (10% linear warm-up, then
+    linear decay) and ``run_squad.py`` (stride 128, query 64, n-best 20, answers of at most 30 tokens)."""
 
     model: str
-    """A bert_ds export (``bert-ds-convert-checkpoint``) or any BERT model directory transformers reads."""
+    """Export directory (bert-ds-convert-checkpoint --out) or any Hugging Face BERT directory."""
     out: str
-    task: str = "sequence"
-    """A preset of ``tasks.TASKS`` or a generic shape."""
-    train_file: str | None = None
-    validation_file: str | None = None
+    """Output directory (must not exist or be empty)."""
+    task: str = option("sequence", metavar="TASK", help=f"a preset or generic shape: {', '.join(TASKS)}")
+    train_file: str | None = option(None, flags=("--train",), help="training file (overrides --data-dir)")
+    validation_file: str | None = option(None, flags=("--validation",), help="labelled evaluation file in the same "
+                                         "format (overrides --data-dir's dev split)")
     data_dir: str | None = None
-    """A GLUE data directory (or the task's own directory) or the directory holding SQuAD/SWAG/CoNLL split files;
-    the preset names the files. ``train_file`` / ``validation_file`` override it."""
+    """GLUE data directory (or the task's directory), or the directory holding the preset's SQuAD/SWAG/CoNLL files;
+    the preset names the files."""
     tokenizer: str | None = None
-    """Tokenizer directory (default: the model's)."""
+    """Tokenizer directory (default: the model's); its casing must match the model's and its vocabulary must be the
+    model's, token by id."""
     text_column: str | None = None
+    """Generic tasks: the (first) text (default: text); token: the words, a JSON list or a space-separated string
+    (default: tokens)."""
     text_pair_column: str | None = None
+    """Generic tasks: the second text of a pair."""
     label_column: str | None = None
-    max_seq_length: int | None = None
-    """WordPieces per example; None: the task's (``TaskSpec.max_seq_length``: 384 for QA, else 128)."""
+    """Generic tasks: the label (default: label); token: the tags (default: tags)."""
+    max_seq_length: int | None = option(None, help="WordPieces per example, [CLS]/[SEP] included; longer ones are "
+                                        f"truncated and counted (default: {QA_MAX_SEQ_LENGTH} for QA tasks, "
+                                        f"{MAX_SEQ_LENGTH} for the others)")
     doc_stride: int = 128
+    """QA: tokens a window shares with the previous one."""
     max_query_length: int = 64
+    """QA: question WordPieces kept."""
     n_best: int = 20
+    """QA: start/end candidates per window."""
     max_answer_length: int = 30
+    """QA: longest answer in WordPieces."""
     null_threshold: float = 0.0
-    """SQuAD v2.0: answer "no answer" when null score - best span score exceeds this (tau)."""
+    """SQuAD v2.0: no answer when null score - best span score exceeds this (tau); the metrics report the dev-optimal
+    value as best_f1_thresh, in these units."""
     epochs: float = 3.0
+    """Passes over the training file."""
     batch_size: int = 32
+    """Examples per step and device."""
     learning_rate: float = 5e-5
+    """Peak Adam lr, linear decay."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     warmup_fraction: float = 0.1
+    """Fraction of the steps spent warming the lr up."""
     gradient_accumulation_steps: int = 1
+    """Batches per optimizer step."""
     seed: int = 42
-    device: str = "auto"
-    """``auto``: a GPU when there is one; ``cpu``; ``cuda`` (refused without a GPU)."""
+    """Seed of the head's init and the shuffling."""
+    device: str = option("auto", choices=DEVICES, help="auto: a GPU when there is one; cpu; cuda (refused without a "
+                         "GPU)")
     bf16: bool = False
-    deepspeed: str | None = None
-    """A DeepSpeed JSON config handed to ``Trainer``'s integration (run under the ``deepspeed`` launcher)."""
+    """bf16 mixed precision."""
+    deepspeed: str | None = option(None, metavar="CONFIG", help="DeepSpeed JSON config for Trainer's integration "
+                                   "(launch with the deepspeed launcher)")
     logging_steps: int = 10
+    """Log the training loss every N steps."""
 
     def __post_init__(self) -> None:
         self.spec = task_spec(self.task)  # ValueError listing the presets
@@ -608,71 +632,18 @@ def finetune(args: FinetuneArgs) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- CLI
-_DEFAULTS = {f.name: f.default for f in fields(FinetuneArgs)}
-
-
-def _d(name: str) -> str:
-    """``default: X`` for a help text, from FinetuneArgs itself (defaults are written once, on the dataclass)."""
-    return f"default: {_DEFAULTS[name]:g}" if isinstance(_DEFAULTS[name], float) else f"default: {_DEFAULTS[name]}"
-
-
 def build_parser(prog: str = "bert-ds-finetune") -> argparse.ArgumentParser:
-    """The CLI over FinetuneArgs: every default is None here and the dataclass's applies (:func:`_parse_args`)."""
-    parser = argparse.ArgumentParser(prog=prog, argument_default=None, description="Fine-tune a BERT directory (a "
-                                     "bert_ds export or a Hugging Face BERT) with transformers' heads and Trainer, on "
-                                     "any task shape of the BERT paper: classification, regression, multiple choice, "
-                                     "token tagging, span-extraction QA.")
-    add = parser.add_argument
-    add("--model", required=True, help="export directory (bert-ds-convert-checkpoint --out) or any Hugging Face BERT "
-        "directory")
-    add("--task", metavar="TASK", help=f"a preset or generic shape: {', '.join(TASKS)} ({_d('task')})")
-    add("--data-dir", help="GLUE data directory (or the task's directory), or the directory holding the preset's "
-        "SQuAD/SWAG/CoNLL files")
-    add("--train", dest="train_file", help="training file (overrides --data-dir)")
-    add("--validation", dest="validation_file", help="labelled evaluation file in the same format (overrides "
-        "--data-dir's dev split)")
-    add("--out", required=True, help="output directory (must not exist or be empty)")
-    add("--tokenizer", help="tokenizer directory (default: the model's); its casing must match the model's and its "
-        "vocabulary must be the model's, token by id")
-    add("--text-column", help="generic tasks: the (first) text (default: text); token: the words, a JSON list or a "
-        "space-separated string (default: tokens)")
-    add("--text-pair-column", help="generic tasks: the second text of a pair")
-    add("--label-column", help="generic tasks: the label (default: label); token: the tags (default: tags)")
-    add("--max-seq-length", type=int, help="WordPieces per example, [CLS]/[SEP] included; longer ones are truncated "
-        f"and counted (default: {QA_MAX_SEQ_LENGTH} for QA tasks, {MAX_SEQ_LENGTH} for the others)")
-    add("--doc-stride", type=int, help=f"QA: tokens a window shares with the previous one ({_d('doc_stride')})")
-    add("--max-query-length", type=int, help=f"QA: question WordPieces kept ({_d('max_query_length')})")
-    add("--n-best", type=int, help=f"QA: start/end candidates per window ({_d('n_best')})")
-    add("--max-answer-length", type=int, help=f"QA: longest answer in WordPieces ({_d('max_answer_length')})")
-    add("--null-threshold", type=float, help="SQuAD v2.0: no answer when null score - best span score exceeds this "
-        f"({_d('null_threshold')}; the metrics report the dev-optimal value as best_f1_thresh, in these units)")
-    add("--epochs", type=float, help=f"passes over the training file ({_d('epochs')})")
-    add("--batch-size", type=int, help=f"examples per step and device ({_d('batch_size')})")
-    add("--gradient-accumulation-steps", type=int, help=f"batches per optimizer step "
-        f"({_d('gradient_accumulation_steps')})")
-    add("--learning-rate", type=float, help=f"peak Adam lr, linear decay ({_d('learning_rate')})")
-    add("--weight-decay", type=float, help=f"AdamW weight decay ({_d('weight_decay')})")
-    add("--warmup-fraction", type=float, help=f"fraction of the steps spent warming the lr up "
-        f"({_d('warmup_fraction')})")
-    add("--seed", type=int, help=f"seed of the head's init and the shuffling ({_d('seed')})")
-    add("--device", choices=DEVICES, help=f"auto: a GPU when there is one; cpu; cuda ({_d('device')})")
-    add("--bf16", action="store_true", default=None, help="bf16 mixed precision")
-    add("--deepspeed", metavar="CONFIG", help="DeepSpeed JSON config for Trainer's integration (launch with the "
-        "deepspeed launcher)")
-    add("--logging-steps", type=int, help=f"log the training loss every N steps ({_d('logging_steps')})")
-    add("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    """The CLI generated from FinetuneArgs (its defaults, its field docs), plus the launcher's ``--local_rank``."""
+    parser = cli_args.build_parser(FinetuneArgs, prog, "Fine-tune a BERT directory (a bert_ds export or a Hugging Face "
+                                   "BERT) with transformers' heads and Trainer, on any task shape of the BERT paper: "
+                                   "classification, regression, multiple choice, token tagging, span-extraction QA.")
+    # The deepspeed launcher passes it; transformers reads LOCAL_RANK, so it is parsed and dropped.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser
 
 
 def _parse_args(argv: list[str] | None) -> FinetuneArgs:
-    parser = build_parser()
-    ns = vars(parser.parse_args(argv))
-    ns.pop("local_rank")  # the deepspeed launcher passes it; transformers reads LOCAL_RANK
-    ns = {k: v for k, v in ns.items() if v is not None}  # an option not given: FinetuneArgs' default
-    try:
-        return FinetuneArgs(**ns)
-    except ValueError as exc:
-        parser.error(str(exc))
+    return cli_args.parse(FinetuneArgs, build_parser(), argv)
 
 
 def _summary(metrics: dict) -> str:
@@ -696,11 +667,11 @@ def main(argv: list[str] | None = None) -> int:
         # accelerate (under Trainer) imports deepspeed when it is installed, which then warns that it "was unable to
         # detect" a GPU; name the CPU accelerator it would pick anyway.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        metrics = finetune(args)
-    except (OSError, ValueError) as exc:
-        print(f"bert-ds-finetune: error: {exc}", file=sys.stderr)
-        return 2
+    return run_main("bert-ds-finetune", _run, args)
+
+
+def _run(args: FinetuneArgs) -> int:
+    metrics = finetune(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wrote {args.out}: {metrics['steps']} steps, mean training loss {metrics['train_loss']:.4f}")
         if metrics["after"] is not None and metrics["before"]:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bert_ds.errors import run_main
+
 __all__ = ["METRICS", "compute_metrics", "accuracy", "binary_f1", "matthews_corrcoef", "pearson", "spearman",
            "entity_scores", "normalize_answer", "squad_exact", "squad_f1", "squad_v1", "squad_v2", "main"]
 
@@ -275,46 +277,45 @@ def squad_v2(predictions: dict[str, str], examples: Sequence[dict], na_probs: di
     return out
 
 
+def _load_json(path: str):
+    from bert_ds.downstream.readers import DownstreamInputError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise DownstreamInputError(path, exc.lineno, exc.colno, f"not valid JSON: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise DownstreamInputError(path, 1, exc.start + 1, "not UTF-8") from None
+
+
+def _score_files(args: argparse.Namespace) -> int:
+    from bert_ds.downstream.readers import read_squad_json
+
+    examples = read_squad_json(args.data_file)
+    version = str(_load_json(args.data_file).get("version", ""))
+    predictions = _load_json(args.pred_file)
+    if not isinstance(predictions, dict) or not all(isinstance(v, str) for v in predictions.values()):
+        raise ValueError(f"{args.pred_file}: expected a JSON object mapping question ids to answer strings")
+    if version.lstrip("v").startswith("2"):
+        na_probs = _load_json(args.na_prob_file) if args.na_prob_file else None
+        result = squad_v2(predictions, examples, na_probs, args.na_prob_thresh)
+    else:
+        result = squad_v1(predictions, examples)
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m bert_ds.downstream.metrics DATA.json PRED.json [--na-prob-file F] [--na-prob-thresh T]``: score
     SQuAD predictions (a JSON object id -> answer text) as the official scripts do, v1.1 or v2.0 after the data file's
     ``version``; prints the JSON result. Bad input: one line on stderr, exit 2."""
-    from bert_ds.downstream.readers import DownstreamInputError, read_squad_json
-
     parser = argparse.ArgumentParser(description="SQuAD v1.1 / v2.0 evaluation (the official scripts' metrics)")
     parser.add_argument("data_file")
     parser.add_argument("pred_file")
     parser.add_argument("--na-prob-file", help="v2.0: question id -> probability of no answer")
     parser.add_argument("--na-prob-thresh", type=float, default=1.0, help="v2.0: answer '' above this (default 1.0)")
-    args = parser.parse_args(argv)
-
-    def load(path: str):
-        try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-        except json.JSONDecodeError as exc:
-            raise DownstreamInputError(path, exc.lineno, exc.colno, f"not valid JSON: {exc.msg}") from None
-        except UnicodeDecodeError as exc:
-            raise DownstreamInputError(path, 1, exc.start + 1, "not UTF-8") from None
-
-    try:
-        examples = read_squad_json(args.data_file)
-        version = str(load(args.data_file).get("version", ""))
-        predictions = load(args.pred_file)
-        if not isinstance(predictions, dict) or not all(isinstance(v, str) for v in predictions.values()):
-            raise ValueError(f"{args.pred_file}: expected a JSON object mapping question ids to answer strings")
-        if version.lstrip("v").startswith("2"):
-            na_probs = None
-            if args.na_prob_file:
-                na_probs = load(args.na_prob_file)
-            result = squad_v2(predictions, examples, na_probs, args.na_prob_thresh)
-        else:
-            result = squad_v1(predictions, examples)
-    except (DownstreamInputError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result))
-    return 0
+    return run_main(None, _score_files, parser.parse_args(argv))  # "error: ...", as this module always wrote it
 
 
 if __name__ == "__main__":

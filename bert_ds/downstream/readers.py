@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bert_ds.downstream.tasks import TaskSpec, TsvLayout, task_spec
+from bert_ds.errors import BadInput
 
 __all__ = ["MAX_CELL_CHARS", "MAX_MISPLACED_ANSWER_SHARE", "DownstreamInputError", "read_split", "read_records",
            "read_glue_tsv", "read_squad_json", "misplaced_answer", "read_swag_csv", "read_conll", "iter_lines"]
@@ -45,7 +46,7 @@ wrong as a whole (another encoding, another version of the contexts) and the fil
 log = logging.getLogger(__name__)
 
 
-class DownstreamInputError(ValueError):
+class DownstreamInputError(BadInput):
     """A fine-tuning input file that cannot be read; the message names the file, the line and the column."""
 
     def __init__(self, path: str | Path, line: int, column: int | str, message: str):

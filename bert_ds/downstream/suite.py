@@ -16,19 +16,21 @@ suite would run; any other finished run is refused, naming the first field that 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import statistics
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bert_ds.downstream.finetune import METRICS_NAME, FinetuneArgs, finetune, run_identity
+from bert_ds import cli_args
+from bert_ds.cli_args import option
+from bert_ds.downstream.finetune import DEVICES, METRICS_NAME, FinetuneArgs, finetune, run_identity
 from bert_ds.downstream.tasks import GLUE_TASKS
+from bert_ds.errors import run_main
 
 __all__ = ["COLUMNS", "TRANSFER_TASKS", "SuiteArgs", "find_tasks", "run_suite", "markdown_table", "main"]
 
@@ -54,26 +56,41 @@ RESULTS_NAME = "glue_results"
 
 @dataclass
 class SuiteArgs:
+    """One GLUE suite run; its fields are ``bert-ds-glue``'s options (:mod:`bert_ds.cli_args`)."""
+
     model: str
+    """bert_ds export or Hugging Face BERT directory."""
     data_dir: str
+    """GLUE data directory (CoLA/, SST-2/, MRPC/, ...)."""
     out: str
+    """Output directory (results and per-run metrics); finished runs there are reused only when model, data and
+    settings are the same, any other finished run is refused."""
     seeds: int = 5
+    """Fine-tuning seeds per task."""
     learning_rate: float = 2e-5
+    """Learning rate without a grid."""
     lr_grid: tuple[float, ...] = ()
+    """Comma-separated rates, e.g. 5e-5,4e-5,3e-5,2e-5: the best median dev score per task is kept."""
     mnli_transfer: bool = False
+    """Start RTE, MRPC and STS-B from the MNLI fine-tune of the same seed."""
     tasks: tuple[str, ...] = ()
-    """Only these tasks (default: every task with a train.tsv in data_dir)."""
+    """Comma-separated subset, e.g. cola,sst2 (default: every task with a train.tsv in --data-dir)."""
     epochs: float = 3.0
+    """Epochs per fine-tune."""
     batch_size: int = 32
+    """Batch per device."""
     max_seq_length: int | None = None
-    """None: the task's (``TaskSpec.max_seq_length``, 128 for GLUE)."""
-    device: str = "auto"
+    """WordPieces per example (default: the task's, 128 for GLUE)."""
+    device: str = option("auto", choices=DEVICES, help="auto: a GPU when there is one; cpu; cuda")
     bf16: bool = False
+    """bf16 mixed precision."""
     gradient_accumulation_steps: int = 1
+    """Batches per optimizer step."""
     first_seed: int = 1
+    """Seeds are first-seed .. first-seed+N-1."""
     keep_models: bool = False
-    """Keep every fine-tuned model's weights (default: only MNLI's when transfer needs them; a BERT-base grid over
-    8 tasks x 5 seeds x 4 rates would otherwise hold ~70 GB)."""
+    """Keep every run's weights (default: only MNLI's under --mnli-transfer; a BERT-base grid over 8 tasks x 5 seeds
+    x 4 rates would otherwise hold ~70 GB)."""
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
@@ -221,46 +238,12 @@ def markdown_table(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-_DEFAULTS = {f.name: f.default for f in fields(SuiteArgs)}
-
-
 def _parse(argv: list[str] | None) -> SuiteArgs:
-    """The CLI over SuiteArgs: its defaults are SuiteArgs' (an option not given is left out)."""
-    parser = argparse.ArgumentParser(prog="bert-ds-glue", description="Fine-tune a BERT directory on every GLUE task "
-                                     "of a data directory with several seeds; median and spread per task and the "
-                                     "GLUE average, as Markdown and JSON (BERT paper Table 1 layout).")
-    add, d = parser.add_argument, _DEFAULTS
-    add("--model", required=True, help="bert_ds export or Hugging Face BERT directory")
-    add("--data-dir", required=True, help="GLUE data directory (CoLA/, SST-2/, MRPC/, ...)")
-    add("--out", required=True, help="output directory (results and per-run metrics); finished runs there are reused "
-        "only when model, data and settings are the same, any other finished run is refused")
-    add("--seeds", type=int, help=f"fine-tuning seeds per task (default: {d['seeds']})")
-    add("--learning-rate", type=float, help=f"lr without a grid (default: {d['learning_rate']:g})")
-    add("--lr-grid", default="", help="comma-separated rates, e.g. 5e-5,4e-5,3e-5,2e-5: the best median dev score "
-        "per task is kept")
-    add("--mnli-transfer", action="store_true", default=None, help="start RTE, MRPC and STS-B from the MNLI "
-        "fine-tune of the same seed")
-    add("--tasks", default="", help="comma-separated subset, e.g. cola,sst2 (default: all found)")
-    add("--epochs", type=float, help=f"epochs per fine-tune (default: {d['epochs']:g})")
-    add("--batch-size", type=int, help=f"batch per device (default: {d['batch_size']})")
-    add("--max-seq-length", type=int, help="default: the task's, 128 for GLUE")
-    add("--gradient-accumulation-steps", type=int, help=f"default: {d['gradient_accumulation_steps']}")
-    add("--device", choices=("auto", "cpu", "cuda"), help=f"default: {d['device']}")
-    add("--bf16", action="store_true", default=None, help="bf16 mixed precision")
-    add("--first-seed", type=int, help=f"seeds are first-seed .. first-seed+N-1 (default: {d['first_seed']})")
-    add("--keep-models", action="store_true", default=None, help="keep every run's weights (default: only MNLI's "
-        "under --mnli-transfer)")
-    ns = vars(parser.parse_args(argv))
-    raw_grid = ns.pop("lr_grid")
-    try:
-        grid = tuple(float(x) for x in raw_grid.split(",") if x.strip())
-    except ValueError:
-        parser.error(f"--lr-grid {raw_grid!r}: expected comma-separated numbers")
-    tasks = tuple(t.strip() for t in ns.pop("tasks").split(",") if t.strip())
-    try:
-        return SuiteArgs(**{k: v for k, v in ns.items() if v is not None}, lr_grid=grid, tasks=tasks)
-    except ValueError as exc:
-        parser.error(str(exc))
+    """The CLI generated from SuiteArgs (its defaults, its field docs)."""
+    parser = cli_args.build_parser(SuiteArgs, "bert-ds-glue", "Fine-tune a BERT directory on every GLUE task of a data "
+                                   "directory with several seeds; median and spread per task and the GLUE average, as "
+                                   "Markdown and JSON (BERT paper Table 1 layout).")
+    return cli_args.parse(SuiteArgs, parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.device == "cpu" or not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # see finetune.main
-    try:
-        table = run_suite(args)
-    except (OSError, ValueError) as exc:
-        print(f"bert-ds-glue: error: {exc}", file=sys.stderr)
-        return 2
+    return run_main("bert-ds-glue", _run, args)
+
+
+def _run(args: SuiteArgs) -> int:
+    table = run_suite(args)
     print(markdown_table(table), end="")
     print(f"wrote {Path(args.out) / (RESULTS_NAME + '.md')} and .json")
     return 0

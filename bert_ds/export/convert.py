@@ -8,18 +8,19 @@ and the token ids of the tokenizer, against bert_ds's own model and tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
+from bert_ds.cli_args import build_parser, defaults_of, option, parse
 from bert_ds.config import BertConfig
 from bert_ds.data.tokenizer import WordPieceTokenizer
+from bert_ds.errors import StepFailed, run_main
 from bert_ds.export.hf import HF_ARCHITECTURE, export_model, load_training_tokenizer
 from bert_ds.export.keymap import ExportError
 
@@ -38,8 +39,11 @@ stripping differ between cased and uncased), punctuation, a dash, CJK characters
 _VOCAB_SAMPLE_WORDS = 256
 
 
-class VerificationError(RuntimeError):
-    """The exported model or tokenizer does not reproduce bert_ds's logits or token ids."""
+class VerificationError(StepFailed):
+    """The exported model or tokenizer does not reproduce bert_ds's logits or token ids (exit 1)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"verification failed: {message}")
 
 
 def find_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> CheckpointRef:
@@ -189,26 +193,34 @@ def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tag: str
     return diffs
 
 
+_CONVERT_DEFAULTS = defaults_of(convert_checkpoint)
+
+
+@dataclass(kw_only=True)
+class ConvertArgs:
+    """``bert-ds-convert-checkpoint``'s options (:mod:`bert_ds.cli_args`); defaults are :func:`convert_checkpoint`'s."""
+
+    checkpoint: str
+    """DeepSpeed save dir, RUN_DIR/checkpoints (holds 'latest', tags, model_config.json, tokenizer/)."""
+    tag: str | None = _CONVERT_DEFAULTS["tag"]
+    """Checkpoint tag (default: the one named in 'latest')."""
+    out: str
+    """Output HF directory (must not exist or be empty)."""
+    verify: bool = option(_CONVERT_DEFAULTS["verify"], help="skip reloading the output with transformers and "
+                          "comparing logits and token ids")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-convert-checkpoint`` / ``tools/convert_checkpoint.py``. Exit codes: 0 ok, 1 the reloaded model or
     tokenizer does not reproduce bert_ds's logits or token ids, 2 bad input."""
-    parser = argparse.ArgumentParser(prog="bert-ds-convert-checkpoint", description="Convert a bert_ds DeepSpeed "
-                                     "checkpoint to a verified Hugging Face BertForPreTraining directory.")
-    parser.add_argument("--checkpoint", required=True, help="DeepSpeed save dir, RUN_DIR/checkpoints (holds 'latest', "
-                        "tags, model_config.json, tokenizer/)")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    parser.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip reloading the output with transformers and comparing logits and token ids")
-    args = parser.parse_args(argv)
-    try:
-        diffs = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, verify=args.verify)
-    except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except VerificationError as exc:
-        print(f"verification failed: {exc}", file=sys.stderr)
-        return 1
+    parser = build_parser(ConvertArgs, "bert-ds-convert-checkpoint", "Convert a bert_ds DeepSpeed checkpoint to a "
+                          "verified Hugging Face BertForPreTraining directory.")
+    args = parse(ConvertArgs, parser, argv)
+    return run_main(None, _run, args)  # "error: ..." without the prog, as this command always wrote it
+
+
+def _run(args: ConvertArgs) -> int:
+    diffs = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, verify=args.verify)
     if diffs is None:
         print(f"wrote {args.out} (not verified)")
     else:

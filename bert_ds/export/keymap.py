@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 
 from bert_ds.config import BertConfig
+from bert_ds.errors import BadInput
 
 __all__ = ["ExportError", "KEY_MAP", "LAYER_KEY_MAP", "TIED_KEYS", "PADDED_VOCAB_KEYS", "key_map",
            "to_hf_state_dict", "from_hf_state_dict"]
 
 
-class ExportError(ValueError):
+class ExportError(BadInput):
     """Bad input to the exporter/importer; the message names the path or field at fault."""
 
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
+from bert_ds.errors import BadInput
+
 __all__ = ["TRUST_RATIO_RULES", "UnsupportedZeroSetup", "ZeroAwareLamb", "ZeroLayout", "segment_sq_norms",
            "zero_layout"]
 
@@ -45,7 +47,7 @@ TRUST_RATIO_RULES = ("all", "decay_only")
 """Which tensors get LAMB's trust ratio: every tensor, or only those of param groups with weight decay."""
 
 
-class UnsupportedZeroSetup(ValueError):
+class UnsupportedZeroSetup(BadInput):
     """A DeepSpeed setup under which ZeroAwareLamb cannot be exact (ZeRO-3, offload, ...): refused, never run."""
 
 

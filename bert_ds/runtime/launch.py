@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from bert_ds.errors import run_main
+
 __all__ = ["format_hostfile", "hosts_from_list", "hosts_from_slurm", "main", "parse_tasks_per_node", "slurm_hostnames",
            "slurm_master_port", "write_hostfile"]
 
@@ -140,16 +142,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse_args(argv)
-    try:
-        hosts = hosts_from_slurm(slots=args.slots) if args.slurm else hosts_from_list(args.hosts, args.slots)
-        if args.output == "-":
-            sys.stdout.write(format_hostfile(hosts))
-        else:
-            write_hostfile(args.output, hosts)
-    except (ValueError, OSError) as exc:
-        print(f"bert-ds-make-hostfile: error: {exc}", file=sys.stderr)
-        return 2
+    return run_main("bert-ds-make-hostfile", _run, _parse_args(argv))
+
+
+def _run(args: argparse.Namespace) -> int:
+    hosts = hosts_from_slurm(slots=args.slots) if args.slurm else hosts_from_list(args.hosts, args.slots)
+    if args.output == "-":
+        sys.stdout.write(format_hostfile(hosts))
+    else:
+        write_hostfile(args.output, hosts)
     ranks = sum(count for _, count in hosts)
     print(f"{len(hosts)} node(s), {ranks} rank(s); node 0 (--master_addr): {hosts[0][0]}", file=sys.stderr)
     return 0

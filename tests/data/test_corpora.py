@@ -211,11 +211,10 @@ def test_malformed_wikiextractor_input_names_file_and_line(tmp_path, content, me
 def test_cli_unterminated_doc_is_one_line_exit_2(tokenizer_dir, tmp_path, capsys):
     (tmp_path / "AA").mkdir()
     (tmp_path / "AA" / "wiki_00").write_text(_HEAD + "One. Two.\n</doc>\n" + _HEAD + "Cut short", encoding="utf-8")
-    with pytest.raises(SystemExit) as exit_info:
-        create_main(["--input", str(tmp_path / "AA"), "--tokenizer", str(tokenizer_dir), "--seq-len", "128",
-                     "--out", str(tmp_path / "out")])
+    code = create_main(["--input", str(tmp_path / "AA"), "--tokenizer", str(tokenizer_dir), "--seq-len", "128",
+                       "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert code == 2 and err.count("\n") == 1
     assert re.search(r"error: .*AA/wiki_00:6: unterminated <doc>: the file ends at line 9", err), err
     assert not (tmp_path / "out").exists()
 
@@ -339,11 +338,10 @@ def test_parquet_errors_name_the_file(tmp_path, monkeypatch):
 def test_cli_parquet_without_text_column_is_one_line_exit_2(tokenizer_dir, tmp_path, capsys):
     src = tmp_path / "corpus.parquet"
     pq.write_table(pa.table({"content": ["One. Two."], "url": ["u"]}), src)
-    with pytest.raises(SystemExit) as exit_info:
-        create_main(["--input", str(src), "--tokenizer", str(tokenizer_dir), "--seq-len", "128",
-                     "--out", str(tmp_path / "out")])
+    code = create_main(["--input", str(src), "--tokenizer", str(tokenizer_dir), "--seq-len", "128",
+                       "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert code == 2 and err.count("\n") == 1
     assert "corpus.parquet: no 'text' column; its columns are: content, url" in err
     assert not (tmp_path / "out").exists()
 

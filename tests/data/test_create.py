@@ -210,10 +210,9 @@ def test_cli(english_corpus, tokenizer_dir, tmp_path, capsys):
     index = ShardIndex.load(out)
     assert index.masking["max_predictions"] == 10 and index.masking["whole_word_mask"] is True
     assert "wrote" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--input", str(english_corpus), "--tokenizer", str(tokenizer_dir), "--seq-len", "128", "--out",
-              str(out)])
-    assert exit_info.value.code == 2 and "already holds" in capsys.readouterr().err
+    code = main(["--input", str(english_corpus), "--tokenizer", str(tokenizer_dir), "--seq-len", "128", "--out",
+                str(out)])
+    assert code == 2 and "already holds" in capsys.readouterr().err
 
 
 def _cli_bad_inputs(tmp_path: Path, tokenizer_dir: Path) -> list[tuple[list[str], str]]:
@@ -240,9 +239,8 @@ def test_cli_bad_input_is_one_line_exit_2_and_leaves_nothing(tokenizer_dir, tmp_
     args, message = _cli_bad_inputs(tmp_path / "in", tokenizer_dir)[case]
     run = tmp_path / "run"
     run.mkdir()
-    with pytest.raises(SystemExit) as exit_info:
-        main([*args, "--seq-len", "128", "--out", str(run / "deeper" / "out")])
-    assert exit_info.value.code == 2
+    code = main([*args, "--seq-len", "128", "--out", str(run / "deeper" / "out")])
+    assert code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("bert-ds-create-shards: error: ") and "Traceback" not in err
     assert re.search(message, err), err
@@ -272,10 +270,9 @@ def test_text_limits_are_applied_and_counted(english_corpus, tokenizer_dir, tmp_
 
 @pytest.mark.parametrize(("option", "value"), [("--max-document-bytes", "0"), ("--max-sentence-chars", "-5")])
 def test_cli_bad_limit(english_corpus, tokenizer_dir, tmp_path, capsys, option, value):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--input", str(english_corpus), "--tokenizer", str(tokenizer_dir), "--seq-len", "128", "--out",
-              str(tmp_path / "out"), option, value])
-    assert exit_info.value.code == 2
+    code = main(["--input", str(english_corpus), "--tokenizer", str(tokenizer_dir), "--seq-len", "128", "--out",
+                str(tmp_path / "out"), option, value])
+    assert code == 2
     assert f"{option[2:].replace('-', '_')}={value} must be a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 

@@ -140,9 +140,8 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, case,
     out = run / "deeper" / "tok"
     if out_exists:
         out.mkdir(parents=True)  # the user's own empty directory: kept, and left empty
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--input", str(src), "--vocab-size", "100", "--out", str(out)])
-    assert exit_info.value.code == 2, name
+    code = main(["--input", str(src), "--vocab-size", "100", "--out", str(out)])
+    assert code == 2, name
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("bert-ds-train-tokenizer: error: ") and "Traceback" not in err
     assert re.search(message, err), err
@@ -155,9 +154,8 @@ def test_non_empty_out_is_refused_unless_overwrite(english_corpus, tmp_path, cap
     out.mkdir()
     (out / "notes.md").write_text("mine")
     args = ["--input", str(english_corpus), "--vocab-size", "300", "--out", str(out)]
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
+    code = main(args)
+    assert code == 2
     assert "is not empty (holds notes.md); pass --overwrite" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["notes.md"]
     main([*args, "--overwrite"])

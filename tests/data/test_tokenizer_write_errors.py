@@ -1,4 +1,5 @@
-"""``bert-ds-train-tokenizer`` on a disk that fills: one line naming the file and the output, exit 2, nothing left.
+"""``bert-ds-train-tokenizer`` on a disk that fills: one line naming the file and the output, exit 74 (the storage
+failed, not the input: ``ExitCode.IO_ERROR``), nothing left.
 
 Issue 16 item 7: tokenizers' Rust writer raised a bare ``Exception: No space left on device (os error 28)`` with a
 traceback and exit 1. The files are now written by Python, so the failure is an OSError with the file's name.
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from tokenizers import BertWordPieceTokenizer
 
+from bert_ds.exit_codes import ExitCode
 from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.faults import limit_file_size
 
@@ -28,7 +30,7 @@ def _train(corpus: Path, out: Path, **popen) -> subprocess.CompletedProcess:
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.IO_ERROR and len(lines) == 1, proc.stderr[-3000:]
     return lines[0]
 
 

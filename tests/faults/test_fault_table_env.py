@@ -28,6 +28,7 @@ from bert_ds.data.create import LOCK_NAME
 from bert_ds.data.index import INDEX_NAME, ShardIndex
 from bert_ds.data.reader import verify_shard_set
 from bert_ds.downstream.readers import MAX_CELL_CHARS
+from bert_ds.exit_codes import ExitCode
 from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.downstream_data import MINILM
 from tests.helpers.faults import (
@@ -234,7 +235,7 @@ CASES = [
     Case("finetune-non-utf8-csv", "7", "bert-ds-finetune --train a Latin-1 CSV", csv_not_utf8,
          message=r"{culprit}: line 3, column 4: not UTF-8 \(byte 0xe9\)", check=check_no_finetune_output),
     Case("train-tokenizer-disk-full", "7", "bert-ds-train-tokenizer with writes failing past 4 KiB (RLIMIT_FSIZE)",
-         tokenizer_disk_full,
+         tokenizer_disk_full, ExitCode.IO_ERROR,
          message=r"writing vocab\.txt for {culprit}.*File too large", check=check_tokenizer_disk_full),
     Case("index-total-samples-2e8", "8", "phase-1 index.json total_samples 2e8, 2 ranks",
          _forged_index(total_samples=200_000_000),

@@ -22,9 +22,12 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from bert_ds.cli_args import build_parser, option, parse
 from bert_ds.devtools.benchmarks.report import machine, render
+from bert_ds.errors import BadInput, run_main
 
 __all__ = ["SECTIONS", "main", "run"]
 
@@ -43,8 +46,8 @@ def _data(args) -> dict[str, Path]:
 def _tool_json(tool: str, extra: list[str]) -> object:
     script = REPO / "tools" / tool
     if not script.is_file():
-        raise SystemExit(f"benchmark: error: {script} not found: the create and loader sections run the scripts of "
-                         "the source checkout (install it with `pip install -e .`)")
+        raise BadInput(f"{script} not found: the create and loader sections run the scripts of the source checkout "
+                       "(install it with `pip install -e .`)")
     with tempfile.TemporaryDirectory(prefix="bert_ds_bench_") as tmp:
         out = Path(tmp) / "result.json"
         subprocess.run([sys.executable, str(script), *extra, "--json", str(out)], check=True, cwd=REPO)
@@ -97,36 +100,52 @@ def _command_line(prog: str, argv: list[str] | None) -> str:
     return head + "".join(f" {shlex.quote(a)}" for a in args)
 
 
+@dataclass
+class BenchmarkArgs:
+    """``bert-ds-benchmark``'s options (:mod:`bert_ds.cli_args`)."""
+
+    only: list[str] = option(default_factory=lambda: list(SECTIONS), choices=SECTIONS, help="sections to run")
+    work: Path = Path("bench_run")
+    """Data and scratch (bench_run/ in the current directory by default)."""
+    shards128: Path | None = None
+    """Use this seq-128 shard set instead of the demo data."""
+    shards512: Path | None = None
+    """Use this seq-512 shard set instead of the demo data."""
+    repeats: int = 8
+    """Timed rounds per step benchmark."""
+    quick: bool = False
+    """Tiny model, few repeats: checks the command works."""
+    out: Path = Path("benchmark.json")
+    """JSON results."""
+    markdown: str = "BENCHMARKS.md"
+    """Markdown report path ('' for none)."""
+    update: bool = False
+    """Keep the other sections of an existing --out file: re-measure only --only's."""
+
+    def __post_init__(self) -> None:
+        if bool(self.shards128) != bool(self.shards512):
+            raise ValueError("--shards128 and --shards512 go together")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-benchmark`` / ``tools/benchmark.py``: exit 0 after writing the JSON (and Markdown), 2 for bad
     arguments."""
-    parser = argparse.ArgumentParser(prog="bert-ds-benchmark", description=__doc__.splitlines()[0],
-                                     epilog="\n".join(__doc__.splitlines()[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--work", type=Path, default=Path("bench_run"),
-                        help="data and scratch (default bench_run/ in the current directory)")
-    parser.add_argument("--shards128", type=Path, help="use this seq-128 shard set instead of the demo data")
-    parser.add_argument("--shards512", type=Path, help="use this seq-512 shard set instead of the demo data")
-    parser.add_argument("--repeats", type=int, default=8, help="timed rounds per step benchmark (default 8)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, few repeats: checks the command works")
-    parser.add_argument("--out", type=Path, default=Path("benchmark.json"),
-                        help="JSON results (default benchmark.json)")
-    parser.add_argument("--markdown", default="BENCHMARKS.md", help="Markdown report path ('' for none)")
-    parser.add_argument("--update", action="store_true",
-                        help="keep the other sections of an existing --out file: re-measure only --only's")
-    args = parser.parse_args(argv)
-    if bool(args.shards128) != bool(args.shards512):
-        parser.error("--shards128 and --shards512 go together")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    parser = build_parser(BenchmarkArgs, "bert-ds-benchmark", __doc__.splitlines()[0],
+                          epilog="\n".join(__doc__.splitlines()[1:]),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    args = parse(BenchmarkArgs, parser, argv)
     previous = {}
     if args.update:
         if not args.out.is_file():
             parser.error(f"--update: {args.out} does not exist (run without --update first)")
         previous = json.loads(args.out.read_text())
+    return run_main(parser.prog, _run, args, previous, _command_line(parser.prog, argv))
+
+
+def _run(args: argparse.Namespace, previous: dict, command: str) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
-    command = _command_line("bert-ds-benchmark", argv)
     results = {**previous, **run(args)}
     results["commands"] = [*previous.get("commands", []), command]
     args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -1,0 +1,118 @@
+"""One error base class carrying the exit code, written once (``bert_ds/errors.py``): a command's error is one line
+``<prog>: error: <message>`` and its class's code; a full disk is 74, not bad input; no command writes its own."""
+
+from __future__ import annotations
+
+import ast
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from bert_ds.cli import COMMANDS
+from bert_ds.errors import BadInput, BertDsError, StepFailed, StorageError, exit_code_of, run_main
+from bert_ds.exit_codes import ExitCode
+from tests.helpers.ranks import REPO
+
+
+class _Refused(BadInput):
+    pass
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+@pytest.mark.parametrize("exc, code", [
+    (_Refused("--data x: no index.json"), 2), (StorageError("cannot save: 0 MiB free"), 74),
+    (StepFailed("a worker died"), 1), (OSError(errno.ENOSPC, "No space left on device"), 74),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), 74), (OSError(errno.EIO, "Input/output error"), 74),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "x"), 2), (PermissionError(errno.EACCES, "no"), 2),
+    (ValueError("seq_len=7 must be >= 8"), 2)])
+def test_an_error_is_one_line_and_its_code(capsys, exc, code):
+    assert run_main("bert-ds-x", _raise, exc) == code == exit_code_of(exc)
+    err = capsys.readouterr().err
+    assert err == f"bert-ds-x: error: {exc}\n"
+
+
+def test_one_line_per_problem_the_bare_form_and_success(capsys):
+    assert run_main("bert-ds-x", _raise, BadInput("shard 1: bad\nshard 2: bad")) == 2
+    assert capsys.readouterr().err == "bert-ds-x: error: shard 1: bad\nbert-ds-x: error: shard 2: bad\n"
+    assert run_main(None, _raise, BadInput("no such tag")) == 2
+    assert capsys.readouterr().err == "error: no such tag\n"
+    assert run_main("bert-ds-x", lambda: None) == 0 and run_main("bert-ds-x", lambda: 3) == 3
+
+
+def test_a_bug_keeps_its_traceback(capsys):
+    with pytest.raises(KeyError):
+        run_main("bert-ds-x", _raise, KeyError("step"))
+    assert capsys.readouterr().err == ""
+
+
+def test_the_errors_of_bert_ds_carry_their_codes_and_stay_what_they_were():
+    from bert_ds.checkpoint import CheckpointError, CheckpointSaveError, DamagedCheckpointError
+    from bert_ds.data.format import ShardError
+    from bert_ds.data.workers import LoaderWorkerError
+    from bert_ds.devtools.demo import DemoError, NotDemoDirectory
+    from bert_ds.downstream.readers import DownstreamInputError
+    from bert_ds.export.convert import VerificationError
+    from bert_ds.export.keymap import ExportError
+    from bert_ds.optim.lamb import UnsupportedZeroSetup
+
+    for cls in (CheckpointError, DamagedCheckpointError, ShardError, ExportError, DownstreamInputError,
+                UnsupportedZeroSetup, NotDemoDirectory):
+        assert issubclass(cls, BertDsError) and cls.exit_code == ExitCode.BAD_INPUT, cls
+    for cls in (LoaderWorkerError, VerificationError, DemoError):
+        assert issubclass(cls, StepFailed) and cls.exit_code == ExitCode.FAILED, cls
+    # A full disk during a save is the storage's failure, not bad input; callers catching CheckpointError (or
+    # ValueError, as pre-training's main still does) still catch it.
+    assert issubclass(CheckpointSaveError, StorageError) and CheckpointSaveError.exit_code == ExitCode.IO_ERROR
+    assert issubclass(CheckpointSaveError, CheckpointError) and issubclass(CheckpointSaveError, ValueError)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_command_writing_to_a_full_device_exits_74(capsys):
+    from bert_ds.runtime.launch import main
+
+    assert main(["--hosts", "node0:8", "--output", "/dev/full"]) == ExitCode.IO_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("bert-ds-make-hostfile: error: [Errno 28] No space left on device") and err.count("\n") == 1
+
+
+# ---- every command goes through run_main; none writes its own error line ---------------------------------------------
+
+NOT_YET_JOINED = {"bert_ds/runtime/pretrain.py", "bert_ds/runtime/preflight.py", "bert_ds/runtime/trainer.py"}
+"""Pre-training formats its own error lines until it goes through run_main (issue 22)."""
+
+
+def _error_line_literals(path: Path) -> list[int]:
+    """Line numbers of string literals (f-string parts included, docstrings not) that hold ``error: ``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and "error: " in n.value and id(n) not in docs]
+
+
+def test_the_scan_sees_an_error_line(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('def main():\n    """error: in prose"""\n    print(f"bert-ds-x: error: {exc}")\n')
+    assert _error_line_literals(probe) == [3]
+
+
+def test_no_module_writes_its_own_error_line():
+    found = {str(p.relative_to(REPO)): lines for p in sorted((REPO / "bert_ds").rglob("*.py"))
+             if (lines := _error_line_literals(p)) and str(p.relative_to(REPO)) not in NOT_YET_JOINED
+             and p.name != "errors.py"}
+    assert found == {}, f"write error lines with bert_ds.errors.run_main / error_lines: {found}"
+
+
+# pretrain has not joined yet (NOT_YET_JOINED); deepspeed (runtime/supervise.py) passes on its ranks' exit codes and
+# writes no error line of its own.
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"pretrain", "deepspeed"}))
+def test_every_command_main_goes_through_run_main(command):
+    path = REPO / (COMMANDS[command][0].replace(".", "/") + ".py")
+    main = next(n for n in ast.parse(path.read_text(encoding="utf-8")).body
+                if isinstance(n, ast.FunctionDef) and n.name == "main")
+    calls = {n.func.id for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "run_main" in calls, f"{path.relative_to(REPO)}: main does not return run_main(...)"
