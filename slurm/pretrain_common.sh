@@ -70,7 +70,10 @@ else
 fi
 export MASTER_ADDR
 # The same rule as bert_ds.runtime.launch.slurm_master_port: every task of the job agrees on it without talking.
-export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+# 20000-28999: below Linux's ephemeral range (32768-60999, where the kernel picks the ports of outgoing connections,
+# NCCL's and gloo's included), above the registered services of the 1024-19999 range, short of 29400/29500 (torchrun's
+# and DeepSpeed's default rendezvous ports, which other processes on a shared node may hold).
+export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
 # USR1 or TERM to this shell: pass USR1 on to srun, which signals every rank; a rank treats USR1 and TERM alike.
