@@ -84,6 +84,13 @@ else
   MASTER_ADDR=${MASTER_ADDR:-$(hostname)}
 fi
 export MASTER_ADDR
+# What a pre-emption that sends TERM alone leaves the ranks (docs/cluster.md): SIGKILL follows KillWait seconds later.
+if command -v "$SCONTROL" >/dev/null 2>&1; then
+  kill_wait=$("$SCONTROL" show config 2>/dev/null | awk '$1 == "KillWait" {print $3}')
+  echo "bert_ds: a pre-empted rank checkpoints after its current step; where Slurm sends TERM without --signal, it" \
+       "kills the ranks ${kill_wait:-KillWait} s later (KillWait): the step and the save (each save logs its" \
+       "duration) must fit in that"
+fi
 # The same rule as bert_ds.runtime.launch.slurm_master_port: every task of the job agrees on it without talking.
 # 20000-28999: below Linux's ephemeral range (32768-60999, where the kernel picks the ports of outgoing connections,
 # NCCL's and gloo's included), above the registered services of the 1024-19999 range, short of 29400/29500 (torchrun's

@@ -26,7 +26,7 @@ exec "$@"
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
 printf 'scontrol %s\\n' "$*" >> "$FAKE_LOG"
-if [ "$1" = show ]; then echo node01; fi
+if [ "$1 $2" = "show config" ]; then echo "KillWait                = 45 sec"; elif [ "$1" = show ]; then echo node01; fi
 exit "${FAKE_REQUEUE_RC:-0}"
 """
 
@@ -149,3 +149,12 @@ def test_a_follow_up_job_resumes_after_a_retryable_exit_only(tmp_path, before, r
         assert "--resume auto" in job.srun_rank_step()
     else:
         assert job.rc == before and not job.calls, (job.calls, job.stderr)
+
+
+def test_the_job_states_how_long_a_term_only_preemption_leaves_the_ranks(tmp_path):
+    """Slurm's KillWait (TERM to SIGKILL) read from ``scontrol show config``, stated at start-up; no line without
+    scontrol (a container), where the cluster's value cannot be read."""
+    job = run_job(tmp_path, 0)
+    assert "where Slurm sends TERM without --signal, it kills the ranks 45 s later (KillWait): the step and the save " \
+           "(each save logs its duration) must fit in that" in job.stdout
+    assert "KillWait" not in run_job(tmp_path, 0, SCONTROL=str(tmp_path / "absent")).stdout
