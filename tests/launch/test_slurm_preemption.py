@@ -203,7 +203,10 @@ def test_a_job_preempted_past_max_requeues_stops_with_exit_75(job_inputs, tmp_pa
         kept_across_requeue = cache_entry.is_file()
         _wait_for_step(log, job, restart=1)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=60)
-        info = _wait_until_ended(job)
+        # Ended, or requeued a second time (the cap did not hold: fail now rather than train 5000 steps).
+        _wait_for(lambda: _job_info(job).get("JobState") in TERMINAL or _read(log).count(f"job {job} requeued") > 1,
+                  f"job {job} to end or requeue again")
+        info = _job_info(job)
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=60)
     out = _read(log)
