@@ -12,9 +12,8 @@ changes between save and resume (:mod:`bert_ds.checkpoint.restore`). Durability 
   pruned. :func:`bert_ds.checkpoint.layout.remove_debris` (start of every save, and when the run takes its lock)
   deletes what killed saves and prunes left.
 
-After every save rank 0 logs how long it took, as every rank saw it, and records that in ``last_save.json`` beside
-the tags (:data:`bert_ds.checkpoint.layout.LAST_SAVE_NAME`): a pre-empted rank must finish this save within Slurm's
-grace time, and a resumed run states the figure at start-up.
+After every save rank 0 logs its duration and records it beside the tags (``last_save.json``): a pre-empted rank must
+finish the save within Slurm's grace time.
 """
 
 from __future__ import annotations
