@@ -9,10 +9,12 @@
 # (the recipe's), and gradient accumulation = global batch / (world size x micro batch).
 # Submit from the bert_ds checkout (or pass --chdir). Settings come from the environment (defaults in brackets):
 # RECIPE [ds_configs/bert_base.json], DATA128 [data/shards128], DATA512 [data/shards512], TOKENIZER [data/tokenizer],
-# RUN_DIR [runs/bert_base], PYTHON [python], PHASE [all], MASTER_PORT [20000 + job id mod 20000],
+# RUN_DIR [runs/bert_base], PYTHON [python], PHASE [all], MASTER_PORT [20000 + job id mod 9000],
 # OMP_NUM_THREADS [--cpus-per-task], EXTRA_ARGS [] (e.g. "--eval-data data/eval512 --max-steps 100").
-# Pre-emption and restarts (USR1 or TERM; scontrol requeue, or follow-up jobs where scontrol is missing, e.g. in
-# pyxis/enroot containers: slurm/submit_chain.sh): see slurm/pretrain_common.sh.
+# MAX_REQUEUES [10]. Pre-emption and restarts (USR1 or TERM; scontrol requeue, at most MAX_REQUEUES times, or follow-up
+# jobs where scontrol is missing, e.g. in pyxis/enroot containers: slurm/submit_chain.sh): see slurm/pretrain_common.sh.
+# --signal=B:USR1@N: USR1 N seconds before the time limit; N must exceed one step plus the checkpoint save (every save
+# logs "checkpoint save took S s"): docs/cluster.md.
 #SBATCH --job-name=bert_ds-base
 #SBATCH --time=48:00:00
 #SBATCH --signal=B:USR1@300

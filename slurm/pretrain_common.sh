@@ -5,13 +5,18 @@
 #
 # Pre-emption: USR1 (`--signal=B:USR1@300`, to this shell) or TERM (what Slurm sends at the time limit or on
 # pre-emption where no --signal is set, and what submitit-style clusters send alone) reaches every rank; the ranks
-# checkpoint at the next step boundary and exit 75. On 75 the job requeues itself with `scontrol requeue`. Where
-# scontrol does not exist (inside pyxis/enroot containers, pyxis#129) or the requeue fails, submit the job with
-# slurm/submit_chain.sh instead: it queues follow-up jobs that start only when the previous one did not end well
-# (`--dependency=afternotok`) and resume from the newest checkpoint. More settings (defaults in brackets):
-# SCONTROL [scontrol] (the requeue command; a missing one is detected), REQUEUE [scontrol] (`none`: exit 75 and
-# leave the restart to follow-up jobs; slurm/submit_chain.sh sets it), TRITON_CACHE_DIR and TORCH_EXTENSIONS_DIR
-# [${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/{triton,torch_extensions}: node-local, per job].
+# checkpoint at the next step boundary and exit 75. The lead time (300 s) must cover the step in flight plus the save,
+# whose duration every save logs ("checkpoint save took S s"); TERM alone leaves KillWait (30 s by default) for both:
+# docs/cluster.md. On a retryable exit (75 pre-empted, 124 a rank stalled) the job requeues itself with
+# `scontrol requeue`, at most MAX_REQUEUES times (Slurm's SLURM_RESTART_COUNT counts them): each requeue brings a
+# fresh --time, so without a cap a job could run for ever. Where scontrol does not exist (inside pyxis/enroot
+# containers, pyxis#129) or the requeue fails, submit the job with slurm/submit_chain.sh instead: it queues follow-up
+# jobs that start only when the previous one did not end well (`--dependency=afternotok`) and resume from the newest
+# checkpoint. More settings (defaults in brackets): MAX_REQUEUES [10], SCONTROL [scontrol] (the requeue command; a
+# missing one is detected), REQUEUE [scontrol] (`none`: exit and leave the restart to follow-up jobs;
+# slurm/submit_chain.sh sets it), TRITON_CACHE_DIR and TORCH_EXTENSIONS_DIR
+# [${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/{triton,torch_extensions}: node-local, per job; that directory is removed
+# when the job ends for good, kept when it requeues itself].
 set -uo pipefail
 
 DATA128=${DATA128:-data/shards128}
@@ -22,10 +27,18 @@ PHASE=${PHASE:-all}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 SCONTROL=${SCONTROL:-scontrol}
 REQUEUE=${REQUEUE:-scontrol}
-EXIT_PREEMPTED=75  # bert_ds.runtime.pretrain's exit code after a pre-emption checkpoint
+MAX_REQUEUES=${MAX_REQUEUES:-10}
+# The exit codes a restart can cure (bert_ds/exit_codes.py; tests/test_exit_codes.py checks them against it):
+EXIT_PREEMPTED=75  # ExitCode.PREEMPTED: checkpointed after USR1/TERM
+EXIT_STALLED=124   # ExitCode.STALLED: a rank made no progress for --step-timeout seconds; the newest checkpoint stands
+RETRYABLE_EXITS="$EXIT_PREEMPTED $EXIT_STALLED"
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
   echo "bert_ds: submit this with sbatch (it reads its sizes from the Slurm allocation)" >&2
+  exit 2
+fi
+if ! [[ "$MAX_REQUEUES" =~ ^[0-9]+$ ]]; then
+  echo "bert_ds: MAX_REQUEUES=$MAX_REQUEUES is not a number of requeues" >&2
   exit 2
 fi
 # SLURM_TASKS_PER_NODE reads "8(x4)" or "8,8,7": the first node's count is the one checked against its GPUs.
@@ -38,11 +51,12 @@ if [ "$gpus_per_node" -gt 0 ] && [ "$tasks_per_node" -ne "$gpus_per_node" ]; the
 fi
 echo "bert_ds: $SLURM_JOB_NUM_NODES node(s) x $tasks_per_node task(s) = $SLURM_NTASKS rank(s)," \
      "$gpus_per_node GPU(s) per node; recipe $RECIPE -> $RUN_DIR (job $SLURM_JOB_ID," \
-     "restart ${SLURM_RESTART_COUNT:-0})"
+     "restart ${SLURM_RESTART_COUNT:-0}); requeues itself on exit $EXIT_PREEMPTED or $EXIT_STALLED at most" \
+     "MAX_REQUEUES=$MAX_REQUEUES time(s)"
 
-# A follow-up job of slurm/submit_chain.sh resumes after a pre-emption (75), a killed job (137, 143: e.g. Slurm's
-# time limit without --signal) or a job that could not write its exit code, never after a failure that would only
-# repeat: bad input (2) or non-finite loss (3) stop the chain with the same code.
+# A follow-up job of slurm/submit_chain.sh resumes after a pre-emption (75), a stalled rank (124), a killed job (137,
+# 143: e.g. Slurm's time limit without --signal) or a job that could not write its exit code, never after a failure
+# that would only repeat: bad input (2) or non-finite loss (3) stop the chain with the same code.
 if [ -n "${BERT_DS_AFTER_JOB:-}" ]; then
   prev_rc=$(cat "$RUN_DIR/slurm/exit-$BERT_DS_AFTER_JOB" 2>/dev/null || echo none)
   if [ "$prev_rc" = 2 ] || [ "$prev_rc" = 3 ]; then
@@ -56,7 +70,8 @@ fi
 
 # Compiler caches on node-local storage, per job: the defaults sit in the home directory, on a cluster usually NFS
 # or Lustre, where ranks of several nodes compiling the same Triton kernel race (triton#2688, #11512; PR#11319).
-# bert_ds.runtime.caches.node_local_caches applies the same rule to ranks started without this script.
+# bert_ds.runtime.caches.node_local_caches applies the same rule to ranks started without this script. A requeued job
+# keeps its id and so its cache; the directory is removed when the job ends for good (remove_job_tmp, below).
 job_tmp=${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$job_tmp/triton}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$job_tmp/torch_extensions}
@@ -69,8 +84,18 @@ else
   MASTER_ADDR=${MASTER_ADDR:-$(hostname)}
 fi
 export MASTER_ADDR
+# What a pre-emption that sends TERM alone leaves the ranks (docs/cluster.md): SIGKILL follows KillWait seconds later.
+if command -v "$SCONTROL" >/dev/null 2>&1; then
+  kill_wait=$("$SCONTROL" show config 2>/dev/null | awk '$1 == "KillWait" {print $3}')
+  echo "bert_ds: a pre-empted rank checkpoints after its current step; where Slurm sends TERM without --signal, it" \
+       "kills the ranks ${kill_wait:-KillWait} s later (KillWait): the step and the save (each save logs its" \
+       "duration) must fit in that"
+fi
 # The same rule as bert_ds.runtime.launch.slurm_master_port: every task of the job agrees on it without talking.
-export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+# 20000-28999: below Linux's ephemeral range (32768-60999, where the kernel picks the ports of outgoing connections,
+# NCCL's and gloo's included), above the registered services of the 1024-19999 range, short of 29400/29500 (torchrun's
+# and DeepSpeed's default rendezvous ports, which other processes on a shared node may hold).
+export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
 # USR1 or TERM to this shell: pass USR1 on to srun, which signals every rank; a rank treats USR1 and TERM alike.
@@ -84,9 +109,13 @@ trap 'echo "bert_ds: TERM received: asking the ranks to checkpoint" >&2; forward
 # finishing their own exit (rank 0 closes the logs last) and turn the job's 75 into 143. --wait=60 instead: once the
 # first rank has ended, the others get 60 s to end too (a pre-emption or a finished run: seconds), then srun ends
 # them, so a crashed rank does not leave the rest waiting in a collective for the process-group timeout.
-# shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
-srun --kill-on-bad-exit=0 --wait=60 "$PYTHON" -m bert_ds.runtime.pretrain --recipe "$RECIPE" --data "$DATA128" "$DATA512" \
-    --tokenizer "$TOKENIZER" --output "$RUN_DIR" --phase "$PHASE" --resume auto $EXTRA_ARGS &
+# --cpus-per-task given again: since Slurm 22.05 srun no longer reads SLURM_CPUS_PER_TASK from sbatch, and a step then
+# gets one CPU per task (the rank's loader workers and OMP threads squeezed onto it where the cluster binds tasks).
+srun_cpus=${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}
+# shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags; srun_cpus one flag or none
+srun --kill-on-bad-exit=0 --wait=60 $srun_cpus "$PYTHON" -m bert_ds.runtime.pretrain --recipe "$RECIPE" \
+    --data "$DATA128" "$DATA512" --tokenizer "$TOKENIZER" --output "$RUN_DIR" --phase "$PHASE" --resume auto \
+    $EXTRA_ARGS &
 srun_pid=$!
 # `wait` returns early when a trapped signal arrives; wait again until srun itself has finished.
 while true; do
@@ -94,15 +123,39 @@ while true; do
   kill -0 "$srun_pid" 2>/dev/null || break
 done
 mkdir -p "$RUN_DIR/slurm" && echo "$rc" > "$RUN_DIR/slurm/exit-$SLURM_JOB_ID"
-if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
-  if [ "$REQUEUE" = scontrol ] && command -v "$SCONTROL" >/dev/null 2>&1 \
-      && "$SCONTROL" requeue "$SLURM_JOB_ID"; then
-    echo "pre-empted: checkpoint written; job $SLURM_JOB_ID requeued" >&2
-  elif [ "$REQUEUE" = scontrol ]; then
-    echo "pre-empted: checkpoint written; requeue with '$SCONTROL' impossible here (missing or refused): a follow-up" \
-         "job of slurm/submit_chain.sh resumes the run, or resubmit with --resume auto yourself" >&2
+
+# The job's node-local directory goes when the job ends for good; a requeued job keeps its id and reuses it. On
+# every node of the job (one task each), then here. A job killed outright (scancel, SIGKILL after KillWait, a node
+# failure) never gets here: docs/cluster.md gives an Epilog line for that.
+remove_job_tmp() {
+  if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+    srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0 \
+        rm -rf -- "$job_tmp" || true
+  fi
+  rm -rf -- "$job_tmp"
+  echo "bert_ds: job $SLURM_JOB_ID ends for good: removed its node-local caches ($job_tmp)" >&2
+}
+
+requeued=false
+if [[ " $RETRYABLE_EXITS " == *" $rc "* ]]; then
+  if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
+    what="pre-empted: checkpoint written"
   else
-    echo "pre-empted: checkpoint written; exit $rc for a follow-up job (REQUEUE=$REQUEUE)" >&2
+    what="stalled (exit $rc): the newest checkpoint stands"
+  fi
+  restarts=${SLURM_RESTART_COUNT:-0}
+  if [ "$REQUEUE" != scontrol ]; then
+    echo "$what; exit $rc for a follow-up job (REQUEUE=$REQUEUE)" >&2
+  elif [ "$restarts" -ge "$MAX_REQUEUES" ]; then
+    echo "bert_ds: requeue cap reached: job $SLURM_JOB_ID was requeued $restarts time(s), MAX_REQUEUES=$MAX_REQUEUES;" \
+         "not requeued again, exit $rc. Resubmit it (--resume auto continues) or raise MAX_REQUEUES" >&2
+  elif command -v "$SCONTROL" >/dev/null 2>&1 && "$SCONTROL" requeue "$SLURM_JOB_ID"; then
+    requeued=true
+    echo "$what; job $SLURM_JOB_ID requeued (requeue $((restarts + 1)) of at most MAX_REQUEUES=$MAX_REQUEUES)" >&2
+  else
+    echo "$what; requeue with '$SCONTROL' impossible here (missing or refused): a follow-up job of" \
+         "slurm/submit_chain.sh resumes the run, or resubmit with --resume auto yourself" >&2
   fi
 fi
+$requeued || remove_job_tmp
 exit "$rc"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Requeue without scontrol: submit a training script and follow-up jobs that each start only if the job before ended
-# badly (`--dependency=afternotok`: a non-zero exit such as the pre-emption exit 75, a time-out, a node failure) and
-# resume from the newest checkpoint. For clusters where the job cannot requeue itself, e.g. inside pyxis/enroot
-# containers, which have no `scontrol` (pyxis#129). Run it where sbatch works (a login node):
+# badly (`--dependency=afternotok`: a non-zero exit such as the pre-emption exit 75 or a stalled rank's 124, a
+# time-out, a node failure) and resume from the newest checkpoint. For clusters where the job cannot requeue itself,
+# e.g. inside pyxis/enroot containers, which have no `scontrol` (pyxis#129). Run it where sbatch works (a login node):
 #
 #   FOLLOWUPS=5 slurm/submit_chain.sh --nodes=8 --ntasks-per-node=8 --gpus-per-node=8 slurm/pretrain_large.sh
 #
@@ -22,7 +22,7 @@ if ! [[ "$FOLLOWUPS" =~ ^[0-9]+$ ]]; then
   echo "bert_ds: FOLLOWUPS=$FOLLOWUPS is not a number of jobs" >&2
   exit 2
 fi
-# REQUEUE=none: a pre-empted job exits 75 and leaves its restart to the next job of the chain.
+# REQUEUE=none: a pre-empted (75) or stalled (124) job exits and leaves its restart to the next job of the chain.
 job=$(REQUEUE=none sbatch --parsable "$@")
 job=${job%%;*}  # --parsable prints "id" or "id;cluster"
 echo "$job"

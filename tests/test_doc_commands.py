@@ -84,7 +84,8 @@ RULES: dict[str, list[Rule]] = {
     ],
     "docs/cluster.md": [
         Rule(r"^FOLLOWUPS=5 slurm/submit_chain\.sh", "covered",
-             "tests/launch/test_slurm_preemption.py::test_usr1_checkpoints_exits_75_requeues_and_resumes_exactly"),
+             "tests/launch/test_slurm_preemption.py::test_term_only_without_scontrol_follow_up_job_resumes_exactly"),
+        Rule(r"^deepspeed --num_gpus 2 bert_ds/runtime/pretrain\.py --recipe ds_configs/tiny_cpu\.json", "run"),
     ],
     "docs/data.md": [
         Rule(r"^(/usr/bin/time -v )?bert-ds-(train-tokenizer|create-shards) ", "run"),

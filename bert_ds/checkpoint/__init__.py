@@ -5,7 +5,8 @@ Everything else asks this package: the trainer saves through :func:`save_checkpo
 (:mod:`bert_ds.evaluate`) read through :func:`open_checkpoint` and :func:`consolidated_state_dict`, never by globbing
 the files. By concern:
 
-* :mod:`.layout`   names, tags, ``latest``, ``run_state.json``, model config, tokenizer copy, debris of killed saves
+* :mod:`.layout`   names, tags, ``latest``, ``run_state.json``, model config, tokenizer copy, debris of killed saves,
+                   ``last_save.json`` (the newest save's duration)
 * :mod:`.save`     all ranks write a ``<tag>.tmp``, agree, then rank 0 publishes it and moves ``latest``; pruning
 * :mod:`.restore`  mid-phase resume and phase hand-off (the ZeRO re-cut delegated to
                    :mod:`bert_ds.deepspeed_internals`), consolidated fp32 weights
@@ -20,6 +21,7 @@ imported only inside the functions that need it, so reading a run directory does
 from bert_ds.checkpoint.integrity import DamagedCheckpointError, check_tag, verify_tag
 from bert_ds.checkpoint.layout import (
     CHECKPOINT_DIR,
+    LAST_SAVE_NAME,
     MODEL_CONFIG_NAME,
     RUN_STATE_NAME,
     TAG_VOCAB_NAME,
@@ -32,12 +34,14 @@ from bert_ds.checkpoint.layout import (
     list_tags,
     open_checkpoint,
     parse_tag,
+    read_last_save,
     read_latest,
     read_model_config,
     read_run_state,
     remove_debris,
     resolve_tag,
     rng_file,
+    save_time_line,
     set_aside_damaged,
     tag_for,
     tokenizer_dir,
@@ -72,15 +76,15 @@ from bert_ds.safe_load import (
     load_tensor_file,
 )
 
-__all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "LOCK_NAME", "MODEL_CONFIG_NAME",
-           "RUN_STATE_NAME", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME", "CheckpointError", "CheckpointRef",
-           "CheckpointSaveError",
+__all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "LAST_SAVE_NAME", "LOCK_NAME",
+           "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME", "CheckpointError",
+           "CheckpointRef", "CheckpointSaveError",
            "DamagedCheckpointError", "check_tag", "reading_tag", "verify_tag", "zero_partition_files",
            "Handoff", "RestoredRun", "RunLock", "RunLockedError", "UnsafeCheckpointError", "acquire_run_lock",
            "check_free_space", "checkpoint_dir", "consolidated_state_dict", "deepspeed_loads_weights_only",
            "first_id_differing",
            "hold_run_dir", "list_tags", "load_rng_state", "load_tensor_file", "open_checkpoint", "open_handoff",
-           "parameter_count", "parse_tag", "prune_checkpoints", "read_latest", "read_model_config", "read_run_state",
-           "remove_debris", "resolve_tag", "restore_run", "rng_file", "save_checkpoint", "save_rng_state",
-           "set_aside_damaged", "tag_for",
+           "parameter_count", "parse_tag", "prune_checkpoints", "read_last_save", "read_latest", "read_model_config",
+           "read_run_state", "remove_debris", "resolve_tag", "restore_run", "rng_file", "save_checkpoint",
+           "save_rng_state", "save_time_line", "set_aside_damaged", "tag_for",
            "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]

@@ -7,6 +7,8 @@ Layout::
     RUN_DIR/tensorboard/                 metrics
     RUN_DIR/checkpoints/                 DeepSpeed's save dir
         latest                           tag of the newest *complete* checkpoint (written last, atomically)
+        last_save.json                   how long the newest save took (tag, seconds, ranks, bytes): advisory, read
+                                         back at a resume's start-up; not part of any tag, never checksummed
         model_config.json                BertConfig.save
         tokenizer/                       vocab.txt, tokenizer_meta.json (the casing training used, always written)
                                          (+ tokenizer.json, tokenizer_config.json when present)
@@ -41,11 +43,11 @@ from bert_ds.data.tokenizer import META_NAME, load_tokenizer, read_lowercase
 from bert_ds.errors import StorageError
 from bert_ds.safe_load import CheckpointError
 
-__all__ = ["CHECKPOINT_DIR", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME",
-           "CheckpointRef", "CheckpointSaveError", "RunLockedError", "checkpoint_dir", "first_id_differing",
-           "list_tags", "open_checkpoint", "parse_tag", "read_latest", "read_model_config", "read_run_state",
-           "remove_debris", "resolve_tag", "rng_file", "set_aside_damaged", "tag_for", "tokenizer_dir",
-           "trained_vocabulary", "write_run_metadata"]
+__all__ = ["CHECKPOINT_DIR", "LAST_SAVE_NAME", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME",
+           "TOKENIZER_DIR_NAME", "CheckpointRef", "CheckpointSaveError", "RunLockedError", "checkpoint_dir",
+           "first_id_differing", "list_tags", "open_checkpoint", "parse_tag", "read_last_save", "read_latest",
+           "read_model_config", "read_run_state", "remove_debris", "resolve_tag", "rng_file", "save_time_line",
+           "set_aside_damaged", "tag_for", "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_STATE_NAME = "run_state.json"
@@ -53,6 +55,9 @@ MODEL_CONFIG_NAME = "model_config.json"
 TOKENIZER_DIR_NAME = "tokenizer"
 TAG_VOCAB_NAME = "vocab.txt"
 """A copy of the trained vocabulary inside each tag, written by rank 0 at save."""
+LAST_SAVE_NAME = "last_save.json"
+"""Beside the tags: the duration of the newest save (:func:`bert_ds.checkpoint.save.save_checkpoint`, rank 0), so a
+resumed run can say at start-up how much pre-emption grace a save needs (:func:`read_last_save`)."""
 _TAG = re.compile(r"^phase(\d+)-step(\d+)$")
 _TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
 
@@ -140,6 +145,28 @@ def resolve_tag(ckpt_dir: str | Path, tag: str | None = None) -> str:
         raise CheckpointError(f"{ckpt_dir / tag}: no {RUN_STATE_NAME}, so this checkpoint is incomplete (a save that "
                               f"did not finish); pick a complete tag: {tags}")
     raise CheckpointError(f"{ckpt_dir}: checkpoint tag {tag!r} not found; available: {tags or 'none'}")
+
+
+def save_time_line(record: dict) -> str:
+    """The one sentence stating a save's duration (``record`` as :data:`LAST_SAVE_NAME` holds it) and what it means
+    for pre-emption: a rank checkpoints at the next step boundary after USR1/TERM, and the save must end before Slurm's
+    SIGKILL."""
+    return (f"checkpoint save took {record['seconds']:.2f} s ({record['tag']}, {record['world_size']} rank(s), "
+            f"{record['bytes'] / 2**20:,.1f} MiB); pre-emption grace (Slurm KillWait / --signal lead time) must "
+            f"exceed it")
+
+
+def read_last_save(ckpt_dir: str | Path) -> dict | None:
+    """What the newest save of this run directory recorded in :data:`LAST_SAVE_NAME` (tag, seconds, world_size,
+    bytes), None when there is none or it is unreadable (it is advisory: nothing depends on it)."""
+    try:
+        record = json.loads((Path(ckpt_dir) / LAST_SAVE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    keys = {"tag": str, "seconds": (int, float), "world_size": int, "bytes": int}
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), t) for k, t in keys.items()):
+        return None
+    return record
 
 
 def read_model_config(ckpt_dir: str | Path) -> BertConfig:
@@ -327,15 +354,16 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-_DEBRIS = re.compile(r"^(?:phase\d+-step\d+\.tmp|\.phase\d+-step\d+\.deleting|\.latest\.tmp)$")
+_DEBRIS = re.compile(r"^(?:phase\d+-step\d+\.tmp|\.phase\d+-step\d+\.deleting|\.latest\.tmp|"
+                     r"\.last_save\.json\.tmp)$")
 _REPLACED = re.compile(r"^\.(phase\d+-step\d+)\.old$")
 
 
 def remove_debris(ckpt_dir: str | Path) -> list[str]:
     """Delete what killed saves and prunes left in ``ckpt_dir``: ``<tag>.tmp`` (unfinished save), ``.<tag>.deleting``
-    (unfinished prune), ``.latest.tmp``, ``.<tag>.old`` (a replaced tag). An ``.<tag>.old`` whose ``<tag>`` is missing
-    (killed between the two renames of a re-save) is renamed back instead: it is the only copy. Only the process
-    holding the run's lock may call this. Returns the names removed or restored."""
+    (unfinished prune), ``.latest.tmp``, ``.last_save.json.tmp``, ``.<tag>.old`` (a replaced tag). An ``.<tag>.old``
+    whose ``<tag>`` is missing (killed between the two renames of a re-save) is renamed back instead: it is the only
+    copy. Only the process holding the run's lock may call this. Returns the names removed or restored."""
     ckpt_dir = Path(ckpt_dir)
     done = []
     for path in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:

@@ -11,15 +11,20 @@ changes between save and resume (:mod:`bert_ds.checkpoint.restore`). Durability 
 * Pruning renames a tag to ``.<tag>.deleting`` before deleting it; phase-end checkpoints (``phase_done``) are never
   pruned. :func:`bert_ds.checkpoint.layout.remove_debris` (start of every save, and when the run takes its lock)
   deletes what killed saves and prunes left.
+
+After every save rank 0 logs its duration and records it beside the tags (``last_save.json``): a pre-empted rank must
+finish the save within Slurm's grace time.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +32,7 @@ import torch
 
 from bert_ds.checkpoint.integrity import CLIENT_STATE_KEY, file_digest, files_of_rank, gather_digests, seal_run_state
 from bert_ds.checkpoint.layout import (
+    LAST_SAVE_NAME,
     RUN_STATE_NAME,
     TAG_VOCAB_NAME,
     TOKENIZER_DIR_NAME,
@@ -40,6 +46,7 @@ from bert_ds.checkpoint.layout import (
     read_run_state,
     remove_debris,
     rng_file,
+    save_time_line,
 )
 from bert_ds.checkpoint.lock import bytes_needed, try_exclusive_tag
 
@@ -123,6 +130,20 @@ def _publish(ckpt: Path, tmp_tag: str, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _record_save_time(ckpt: Path, tag: str, seconds: float, world_size: int, digests: dict) -> None:
+    """Rank 0, the save complete: log its duration and write it to ``last_save.json`` (advisory: a failure to write it
+    is a warning, never a failed save)."""
+    record = {"tag": tag, "seconds": round(seconds, 3), "world_size": world_size,
+              "bytes": sum(int(d["size"]) for d in digests.values()), "saved_at": time.time()}
+    log.info(save_time_line(record))
+    tmp = ckpt / f".{LAST_SAVE_NAME}.tmp"
+    try:
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, ckpt / LAST_SAVE_NAME)
+    except OSError as exc:
+        log.warning("%s: cannot record the save time (%s)", ckpt / LAST_SAVE_NAME, exc)
+
+
 def _save_failure(ckpt: Path, tag: str, error: Exception | None, num_parameters: int) -> CheckpointSaveError:
     needed, _ = bytes_needed(ckpt, num_parameters)
     free = shutil.disk_usage(ckpt).free
@@ -149,6 +170,7 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
     """
     import deepspeed.comm as dist
 
+    started = time.monotonic()
     ckpt = checkpoint_dir(run_dir)
     rank = dist.get_rank()
     tmp_tag = f"{tag}.tmp"  # parse_tag ignores it, so a half-written one is never listed or resumed
@@ -156,6 +178,7 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
         remove_debris(ckpt)
     dist.barrier()
     error, own = _write_tag(engine, ckpt, tmp_tag, run_state, rank)
+    digests: dict[str, dict] = {}
     if not _any_rank(error is not None):
         digests = gather_digests(own)
         if rank == 0:
@@ -170,6 +193,8 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
         _publish(ckpt, tmp_tag, tag)
         prune_checkpoints(ckpt, keep_last_k)
     dist.barrier()
+    if rank == 0:
+        _record_save_time(ckpt, tag, time.monotonic() - started, dist.get_world_size(), digests)
     return ckpt / tag
 
 

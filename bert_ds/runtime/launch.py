@@ -44,8 +44,10 @@ def slurm_hostnames(nodelist: str) -> list[str]:
 
 def slurm_master_port(env: Mapping[str, str]) -> int:
     """A rendezvous port every task of one job agrees on and concurrent jobs on a node rarely share: 20000 +
-    ``SLURM_JOB_ID`` mod 20000 (``slurm/pretrain_common.sh`` uses the same rule)."""
-    return 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    ``SLURM_JOB_ID`` mod 9000 (``slurm/pretrain_common.sh`` uses the same rule). 20000-28999 stays below Linux's
+    ephemeral range (32768-60999, where outgoing connections, NCCL's and gloo's included, get their ports) and short of
+    29400/29500, torchrun's and DeepSpeed's default rendezvous ports."""
+    return 20000 + int(env.get("SLURM_JOB_ID", "0")) % 9000
 
 
 def parse_tasks_per_node(value: str) -> list[int]:

@@ -115,6 +115,8 @@ def run(plan: RunPlan, preemption: Preemption | None = None) -> int:
     if plan.rank == 0:
         ckpt.write_run_metadata(plan.run_dir, plan.recipe, plan.model_config, plan.args.tokenizer)
         ckpt.set_aside_damaged(plan.ckpt_dir, plan.start.damaged, plan.start.tag)
+        if plan.start.tag is not None and (last_save := ckpt.read_last_save(plan.ckpt_dir)) is not None:
+            log.info("the previous run's last %s", ckpt.save_time_line(last_save))
     preemption = preemption or Preemption()
     metrics = _metrics_logger(plan)
     try:

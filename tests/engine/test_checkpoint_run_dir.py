@@ -154,6 +154,34 @@ def test_publish_syncs_the_tag_before_latest_names_it(tmp_path, monkeypatch):
     assert ckpt.read_latest(d) == "phase1-step000002"
 
 
+# --------------------------------------------------------------------------------------------------- save time
+def test_a_save_records_its_duration_beside_the_tags_and_a_resume_reads_it(tmp_path, caplog):
+    """What pre-emption grace a save needs: logged after the save and kept in ``last_save.json`` beside the tags (not
+    in a tag: its files are sealed by their digests), where a resumed run reads it at start-up."""
+    d = tmp_path / "checkpoints"
+    tag_dir = _tag(d, "phase1-step000003")
+    sealed = (tag_dir / ckpt.RUN_STATE_NAME).read_bytes()
+    digests = {"mp_rank_00_model_states.pt": {"size": 3 * 2**20, "sha256": "0"}, "rng_rank00000.pt": {"size": 2**19,
+                                                                                                    "sha256": "1"}}
+    with caplog.at_level("INFO", logger="bert_ds.checkpoint"):
+        ckpt_save._record_save_time(d, "phase1-step000003", 1.23156, 2, digests)
+    line = ("checkpoint save took 1.23 s (phase1-step000003, 2 rank(s), 3.5 MiB); pre-emption grace (Slurm KillWait "
+            "/ --signal lead time) must exceed it")
+    assert line in caplog.text
+    record = ckpt.read_last_save(d)
+    assert {k: record[k] for k in ("tag", "seconds", "world_size", "bytes")} == {
+        "tag": "phase1-step000003", "seconds": 1.232, "world_size": 2, "bytes": 3 * 2**20 + 2**19}
+    assert ckpt.save_time_line(record) == line
+    assert (tag_dir / ckpt.RUN_STATE_NAME).read_bytes() == sealed and ckpt.list_tags(d) == ["phase1-step000003"]
+    # A killed write leaves only its temp file, which is debris; the record itself is not.
+    (d / ".last_save.json.tmp").write_text("{")
+    assert ckpt.remove_debris(d) == [".last_save.json.tmp"] and ckpt.read_last_save(d) == record
+    for broken in ("{", '{"tag": "phase1-step000003"}', "[]"):
+        (d / ckpt.LAST_SAVE_NAME).write_text(broken)
+        assert ckpt.read_last_save(d) is None  # advisory: an unreadable record is no record
+    assert ckpt.read_last_save(tmp_path / "nowhere") is None
+
+
 # ------------------------------------------------------------------------------------------------------- space
 def test_free_space_check_uses_the_newest_checkpoint_or_the_model_size(tmp_path, monkeypatch):
     config = model_preset("tiny", vocab_size=1000)

@@ -95,7 +95,7 @@ def test_cli_writes_a_hostfile_and_fails_in_one_line(tmp_path, capsys):
 
 def test_slurm_master_port_is_shared_by_a_job_and_differs_between_jobs():
     ports = {slurm_master_port({"SLURM_JOB_ID": str(job)}) for job in range(1000, 1100)}
-    assert len(ports) == 100 and all(20000 <= p < 40000 for p in ports)
+    assert len(ports) == 100
     # Every task of a job computes the port from its own environment, whose task-local variables differ: the port
     # must not depend on them.
     job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-02]"}
@@ -109,6 +109,30 @@ def test_slurm_master_port_is_shared_by_a_job_and_differs_between_jobs():
         proc = subprocess.run(["bash", "-c", f'SLURM_JOB_ID={job_id}; {rule}; echo "$MASTER_PORT"'],
                               env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=60, check=True)
         assert int(proc.stdout) == slurm_master_port({"SLURM_JOB_ID": str(job_id)}), (job_id, proc.stdout)
+
+
+EPHEMERAL = range(32768, 61000)
+"""Linux's default ``net.ipv4.ip_local_port_range`` (32768 60999): the kernel gives outgoing connections (NCCL's and
+gloo's among them) ports from it, so a rendezvous port there can be taken by chance."""
+RENDEZVOUS_DEFAULTS = range(29000, 30000)
+"""Around torchrun's (29400) and DeepSpeed's / torch's (29500) default rendezvous ports, held by other launches."""
+
+
+def test_slurm_master_port_stays_out_of_the_ephemeral_range_for_every_job_id():
+    """Over a million consecutive job ids and a sample of large ones: every port is unprivileged, below the ephemeral
+    range and clear of the launchers' defaults, and ``slurm/pretrain_common.sh`` computes the same one in bash."""
+    ids = [*range(1_000_000), *range(2**31 - 10_000, 2**31), *(k * 1_000_003 for k in range(1, 2000))]
+    ports = [slurm_master_port({"SLURM_JOB_ID": str(job)}) for job in ids]
+    assert not [(j, p) for j, p in zip(ids, ports, strict=True)
+                if not 1024 < p < EPHEMERAL.start or p in RENDEZVOUS_DEFAULTS]
+    assert len(set(ports)) >= 9000  # spread: consecutive jobs on one node get different ports
+    rule = next(ln for ln in (REPO / "slurm" / "pretrain_common.sh").read_text().splitlines()
+                if ln.startswith("export MASTER_PORT="))
+    sample = ids[::997]
+    loop = f'for SLURM_JOB_ID in {" ".join(map(str, sample))}; do unset MASTER_PORT; {rule}; echo "$MASTER_PORT"; done'
+    proc = subprocess.run(["bash", "-c", loop], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert [int(p) for p in proc.stdout.split()] == [slurm_master_port({"SLURM_JOB_ID": str(j)}) for j in sample]
 
 
 @pytest.mark.parametrize(("env", "path"), [

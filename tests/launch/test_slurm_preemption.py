@@ -3,10 +3,13 @@
 Two ways a cluster ends a job early and two ways the job comes back, each ending in weights bit-identical to one
 uninterrupted 2-rank run of the same recipe (dropout on, so the random streams must resume too):
 
-- USR1 to the batch shell (``--signal=B:USR1@300``), and the job requeues itself with ``scontrol requeue``;
+- USR1 to the batch shell (``--signal=B:USR1@300``), and the job requeues itself with ``scontrol requeue``, keeping
+  its node-local compiler caches until it ends for good; both runs log the save's duration;
 - TERM alone to every process of the job (what Slurm sends at the time limit without ``--signal``, and all that some
   clusters send), inside a "container" without ``scontrol`` (pyxis#129): ``slurm/submit_chain.sh`` queued follow-up
   jobs (``--dependency=afternotok``), the first resumes, the one left is removed by Slurm.
+
+And the requeue cap: a job pre-empted once more than ``MAX_REQUEUES`` allows ends with exit 75 and one line saying so.
 
 CI starts the cluster with ``.ci/start_slurm.sh``; elsewhere these tests are skipped unless a Slurm controller answers.
 """
@@ -51,14 +54,15 @@ def job_inputs(shards_128, shards_512, tokenizer_dir, tmp_path_factory):
     return path, (shards_128, shards_512), tokenizer_dir, weights(run, FINAL_TAG)
 
 
-def _job_env(job_inputs, run: Path, **extra: str) -> dict[str, str]:
-    recipe, (data128, data512), tokenizer, _ = job_inputs
+def _job_env(job_inputs, run: Path, recipe: Path | None = None, **extra: str) -> dict[str, str]:
+    fixture_recipe, (data128, data512), tokenizer, _ = job_inputs
     from bert_ds.runtime.caches import extensions_root
 
     # TORCH_EXTENSIONS_DIR chosen by the "user" (the machine's build, made once); the Triton cache takes the scripts'
-    # node-local default.
-    return child_env(RECIPE=str(recipe), DATA128=str(data128), DATA512=str(data512), TOKENIZER=str(tokenizer),
-                     RUN_DIR=str(run), PYTHON=sys.executable, TORCH_EXTENSIONS_DIR=str(extensions_root()), **extra)
+    # node-local default (under $TMPDIR when a test sets it).
+    return child_env(RECIPE=str(recipe or fixture_recipe), DATA128=str(data128), DATA512=str(data512),
+                     TOKENIZER=str(tokenizer), RUN_DIR=str(run), PYTHON=sys.executable,
+                     TORCH_EXTENSIONS_DIR=str(extensions_root()), **extra)
 
 
 def _sbatch_args(log_pattern: Path) -> list[str]:
@@ -81,13 +85,29 @@ def _wait_for(predicate, what: str, timeout: float = HANG_GUARD_S, poll: float =
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _wait_for_step(log: Path, job: str) -> None:
-    """Until the job has logged a training step (so the ranks run and have installed their signal handlers)."""
+def _wait_for_step(log: Path, job: str, restart: int = 0) -> None:
+    """Until the job's run number ``restart`` has logged a training step (so its ranks run and have installed their
+    signal handlers)."""
     def stepped():
         if _job_info(job).get("JobState") in TERMINAL:
-            raise AssertionError(f"job {job} ended before its first step:\n{_read(log)[-4000:]}")
-        return re.search(r"^step 1 \|", _read(log), re.M)
-    _wait_for(stepped, f"job {job} to log step 1")
+            raise AssertionError(f"job {job} ended before a step of restart {restart}:\n{_read(log)[-4000:]}")
+        _, started, text = _read(log).rpartition(f"(job {job}, restart {restart})")
+        return started and re.search(r"^step \d+ \|", text, re.M)
+    _wait_for(stepped, f"job {job} to log a step in restart {restart}")
+
+
+def _wait_for_restart(log: Path, job: str, restart: int) -> None:
+    """Until the requeued job's batch script has started again (so the one before it has ended)."""
+    _wait_for(lambda: f"(job {job}, restart {restart})" in _read(log), f"job {job} to start restart {restart}",
+              poll=0.5)
+
+
+def _plant_cache(node_tmp: Path, job: str) -> Path:
+    """A file in the job's node-local Triton cache, as a kernel compile would leave (CPU ranks compile nothing)."""
+    entry = node_tmp / f"bert_ds-{job}" / "triton" / "kernel.json"
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    entry.write_text("{}")
+    return entry
 
 
 def _read(path: Path) -> str:
@@ -107,24 +127,36 @@ def _assert_bit_identical(run: Path, want: dict[str, torch.Tensor], what: str) -
     assert got.keys() == want.keys() and not differ, f"{what}: {len(differ)} tensors differ, e.g. {differ[:3]}"
 
 
-def _preempted_at(out: str) -> int:
+def _preempted_at(out: str, phase1_steps: int = PHASE1_STEPS) -> int:
     match = re.search(r"pre-empted: checkpointed at phase 1 step (\d+); exit 75", out)
     assert match, out[-6000:]
     step = int(match.group(1))
-    assert 1 <= step < PHASE1_STEPS, f"the signal should land inside phase 1, landed at step {step}"
+    assert 1 <= step < phase1_steps, f"the signal should land inside phase 1, landed at step {step}"
     return step
+
+
+def _save_seconds(out: str, step: int) -> str:
+    """The duration the pre-emption save of ``step`` logged (as printed)."""
+    match = re.search(rf"checkpoint save took (\d+\.\d\d) s \(phase1-step{step:06d}, 2 rank\(s\), [\d.,]+ MiB\); "
+                      rf"pre-emption grace \(Slurm KillWait / --signal lead time\) must exceed it", out)
+    assert match, out[-6000:]
+    return match.group(1)
 
 
 @pytest.mark.slurm
 def test_usr1_checkpoints_exits_75_requeues_and_resumes_exactly(job_inputs, tmp_path):
-    run, log = tmp_path / "run", tmp_path / "job.out"
-    proc = subprocess.run(["sbatch", "--parsable", *_sbatch_args(log)], env=_job_env(job_inputs, run),
-                          capture_output=True, text=True, timeout=120, check=True)
+    run, log, node_tmp = tmp_path / "run", tmp_path / "job.out", tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    proc = subprocess.run(["sbatch", "--parsable", *_sbatch_args(log)], env=_job_env(job_inputs, run,
+                          TMPDIR=str(node_tmp)), capture_output=True, text=True, timeout=120, check=True)
     job = proc.stdout.strip().split(";")[0]
     try:
         _wait_for_step(log, job)
+        cache_entry = _plant_cache(node_tmp, job)
         # What `--signal=B:USR1@300` does 5 minutes before the time limit: USR1 to the batch shell only.
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=60)
+        _wait_for_restart(log, job, 1)
+        kept_across_requeue = cache_entry.is_file()
         info = _wait_until_ended(job)
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=60)
@@ -132,12 +164,63 @@ def test_usr1_checkpoints_exits_75_requeues_and_resumes_exactly(job_inputs, tmp_
     assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, out[-6000:])
     assert "bert_ds: USR1 received: asking the ranks to checkpoint" in out
     step = _preempted_at(out)
-    assert f"pre-empted: checkpoint written; job {job} requeued" in out
+    assert f"pre-empted: checkpoint written; job {job} requeued (requeue 1 of at most MAX_REQUEUES=10)" in out
     assert f"(job {job}, restart 1)" in out
     assert f"resumed phase1-step{step:06d}: phase 1 step {step}" in out
-    assert f"TRITON_CACHE_DIR=/tmp/bert_ds-{job}/triton" in out or f"/bert_ds-{job}/triton" in out
+    # The pre-emption save logged its duration; the requeued run states it at start-up, before training on.
+    seconds = _save_seconds(out, step)
+    restarted = out.partition(f"(job {job}, restart 1)")[2]
+    assert re.search(rf"the previous run's last checkpoint save took {seconds} s \(phase1-step{step:06d}, 2 rank\(s\)",
+                     restarted), restarted[:6000]
+    # Node-local caches: kept across the job's own requeue (same job id), removed when it ended for good.
+    assert f"TRITON_CACHE_DIR={node_tmp}/bert_ds-{job}/triton" in out
+    assert kept_across_requeue, "the requeue removed the job's node-local caches"
+    assert not (node_tmp / f"bert_ds-{job}").exists()
+    assert f"job {job} ends for good: removed its node-local caches" in out
     assert (run / "slurm" / f"exit-{job}").read_text().strip() == "0"
     _assert_bit_identical(run, job_inputs[3], "USR1 -> exit 75 -> scontrol requeue -> resume")
+
+
+@pytest.mark.slurm
+def test_a_job_preempted_past_max_requeues_stops_with_exit_75(job_inputs, tmp_path):
+    """MAX_REQUEUES=1: the first pre-emption requeues the job, the second ends it (exit 75, one line naming the cap, no
+    requeue) with its checkpoint written and its node-local caches removed. A phase 1 far longer than the test keeps
+    both signals inside it."""
+    recipe = {key: value for key, value in SMALL_RECIPE.items() if key != "model_overrides"}
+    recipe["phases"] = [{**recipe["phases"][0], "steps": 5000}, recipe["phases"][1]]
+    run, log, node_tmp = tmp_path / "run", tmp_path / "job.out", tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    env = _job_env(job_inputs, run, recipe=write_recipe(tmp_path / "recipe.json", recipe), MAX_REQUEUES="1",
+                   TMPDIR=str(node_tmp))
+    proc = subprocess.run(["sbatch", "--parsable", *_sbatch_args(log)], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    job = proc.stdout.strip().split(";")[0]
+    try:
+        _wait_for_step(log, job)
+        cache_entry = _plant_cache(node_tmp, job)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=60)
+        _wait_for_restart(log, job, 1)
+        kept_across_requeue = cache_entry.is_file()
+        _wait_for_step(log, job, restart=1)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=60)
+        # Ended, or requeued a second time (the cap did not hold: fail now rather than train 5000 steps).
+        _wait_for(lambda: _job_info(job).get("JobState") in TERMINAL or _read(log).count(f"job {job} requeued") > 1,
+                  f"job {job} to end or requeue again")
+        info = _job_info(job)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=60)
+    out = _read(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "75:0" and info.get("Restarts") == "1", \
+        (info, out[-6000:])
+    first, second = (int(n) for n in re.findall(r"pre-empted: checkpointed at phase 1 step (\d+); exit 75", out))
+    assert 1 <= first < second < 5000, (first, second)
+    assert out.count(f"job {job} requeued") == 1, out[-6000:]
+    assert [line for line in out.splitlines() if "requeue cap" in line] == [
+        f"bert_ds: requeue cap reached: job {job} was requeued 1 time(s), MAX_REQUEUES=1; not requeued again, exit 75. "
+        f"Resubmit it (--resume auto continues) or raise MAX_REQUEUES"]
+    assert (run / "checkpoints" / "latest").read_text() == f"phase1-step{second:06d}"
+    assert (run / "slurm" / f"exit-{job}").read_text().strip() == "75"
+    assert kept_across_requeue and not (node_tmp / f"bert_ds-{job}").exists()
 
 
 @pytest.mark.slurm
