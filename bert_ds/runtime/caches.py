@@ -1,9 +1,10 @@
 """The compiler caches a run writes, in one owner: Triton's kernel cache and torch's JIT-extension build directory
 (where DeepSpeed compiles its CPU ``deepspeed_shm_comm`` op).
 
-* where they are (:func:`extensions_root`; Triton's rule in :func:`cache_dir_warnings`), and node-local per Slurm job
-  unless the user chose (:func:`node_local_caches`, :func:`use_node_local_caches`; ``slurm/pretrain_common.sh`` uses
-  the same rule);
+* where they are (:func:`extensions_root`: one build directory per environment, :func:`build_identity`, built with
+  the interpreter's own ninja, :func:`build_tools_path`; Triton's rule in :func:`cache_dir_warnings`), node-local per
+  Slurm job unless the user chose (:func:`node_local_caches`, :func:`use_node_local_caches`;
+  ``slurm/pretrain_common.sh`` uses the same rule);
 * a warning when one sits on a network file system (:func:`cache_dir_warnings`, pre-flight);
 * builds under a lock that dies with its holder (:func:`holding_build_lock`): torch's own lock left by a killed
   build is removed by the next start, which rebuilds; ``make venv`` builds ahead of time what every start loads
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import logging
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -27,9 +31,10 @@ import torch
 
 from bert_ds.deepspeed_internals import shm_comm_builder
 
-__all__ = ["BRIEF_LOCK_S", "HOLDER_LOCK_NAME", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "cache_dir_warnings",
-           "extension_build_locks", "extensions_root", "filesystem_of", "holding_build_lock", "load_extensions",
-           "node_local_caches", "use_node_local_caches"]
+__all__ = ["BRIEF_LOCK_S", "HOLDER_LOCK_NAME", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "build_identity",
+           "build_tools_path", "cache_dir_warnings", "extension_build_locks", "extensions_root", "filesystem_of",
+           "holding_build_lock", "load_extensions", "node_local_caches", "pin_build_environment",
+           "use_node_local_caches"]
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +49,11 @@ lock younger than this may be such a load by a program that does not take :data:
 by another tool): it is waited on until it goes or grows older, and only then removed."""
 
 
-def extensions_root() -> Path:
-    """Where torch builds JIT extensions (the rule of ``torch.utils.cpp_extension._get_build_directory``, torch 2.x:
-    ``$TORCH_EXTENSIONS_DIR`` or the user cache's ``torch_extensions/py<ver>_<cpu|cu<ver>|rocm<ver>>``)."""
+def _torch_default_root() -> Path:
+    """torch's own choice (``torch.utils.cpp_extension._get_build_directory``, torch 2.x) without
+    ``$TORCH_EXTENSIONS_DIR``: the user cache's ``torch_extensions/py<ver>_<cpu|cu<ver>|rocm<ver>>``."""
     import torch.utils.cpp_extension as cpp
 
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     if torch.version.hip is not None:
         accel = f"rocm{torch.version.hip.replace('.', '')}"
     elif torch.version.cuda is not None:
@@ -58,6 +61,61 @@ def extensions_root() -> Path:
     else:
         accel = "cpu"
     return Path(cpp.get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accel}"
+
+
+def build_tools_path(path: str | None = None) -> str:
+    """``PATH`` with this interpreter's own bin directory first (a venv's ``ninja`` then builds, activated or not):
+    torch runs ``ninja`` from ``PATH``, and a venv's ninja 1.13 and a system's 1.11 read each other's build log as
+    invalid and rebuild everything."""
+    path = os.environ.get("PATH", "") if path is None else path
+    own = str(Path(sys.executable).parent)
+    return os.pathsep.join([own, *(p for p in path.split(os.pathsep) if p and p != own)])
+
+
+def _first_line(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, PATH=build_tools_path()))
+    except (OSError, subprocess.SubprocessError):
+        return "absent"
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else "absent"
+
+
+@functools.lru_cache(maxsize=1)
+def build_identity() -> tuple[tuple[str, str], ...]:
+    """What a compiled extension depends on besides its sources and flags (which torch itself hashes): the
+    interpreter (prefix and version), torch, DeepSpeed, ninja and the C++ compiler, as :func:`build_tools_path`
+    finds them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        deepspeed = version("deepspeed")
+    except PackageNotFoundError:
+        deepspeed = "absent"
+    return (("python", f"{sys.version.split()[0]} {os.path.realpath(sys.prefix)}"), ("torch", torch.__version__),
+            ("deepspeed", deepspeed), ("ninja", _first_line(["ninja", "--version"])),
+            ("c++", _first_line([os.environ.get("CXX") or "c++", "--version"])))
+
+
+def extensions_root() -> Path:
+    """Where bert_ds builds JIT extensions: ``$TORCH_EXTENSIONS_DIR`` when the user set it, else one directory per
+    environment (:func:`build_identity`) beside torch's default, ``py<ver>_<accel>-<digest>``: two venvs (two
+    checkouts, a test clone) or an upgraded torch or DeepSpeed never rebuild over each other's build."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    digest = hashlib.sha256(repr(build_identity()).encode()).hexdigest()[:12]
+    default = _torch_default_root()
+    return default.with_name(f"{default.name}-{digest}")
+
+
+def pin_build_environment() -> Path:
+    """Make every build of this process use :func:`extensions_root` (exported as ``TORCH_EXTENSIONS_DIR``, which
+    torch and DeepSpeed read) and this interpreter's tools (:func:`build_tools_path`); returns the directory."""
+    root = extensions_root()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+    os.environ["PATH"] = build_tools_path()
+    return root
 
 
 def extension_build_locks() -> list[Path]:
@@ -128,6 +186,7 @@ def load_extensions() -> list[str]:
     builder = shm_comm_builder()
     if builder is None:
         return []
+    pin_build_environment()
     with holding_build_lock():
         builder.load()
     return [builder.NAME]
