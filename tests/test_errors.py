@@ -82,8 +82,8 @@ def test_a_command_writing_to_a_full_device_exits_74(capsys):
 
 # ---- every command goes through run_main; none writes its own error line ---------------------------------------------
 
-NOT_YET_JOINED = {"bert_ds/runtime/pretrain.py", "bert_ds/runtime/preflight.py", "bert_ds/runtime/trainer.py"}
-"""Pre-training formats its own error lines until it goes through run_main (issue 22)."""
+NOT_YET_JOINED: set[str] = set()
+"""Modules that still format their own error lines (none: pre-training joined run_main too)."""
 
 
 def _error_line_literals(path: Path) -> list[int]:
@@ -107,9 +107,8 @@ def test_no_module_writes_its_own_error_line():
     assert found == {}, f"write error lines with bert_ds.errors.run_main / error_lines: {found}"
 
 
-# pretrain has not joined yet (NOT_YET_JOINED); deepspeed (runtime/supervise.py) passes on its ranks' exit codes and
-# writes no error line of its own.
-@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"pretrain", "deepspeed"}))
+# deepspeed (runtime/supervise.py) passes on its ranks' exit codes and writes no error line of its own.
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"deepspeed"}))
 def test_every_command_main_goes_through_run_main(command):
     path = REPO / (COMMANDS[command][0].replace(".", "/") + ".py")
     main = next(n for n in ast.parse(path.read_text(encoding="utf-8")).body

@@ -23,13 +23,15 @@ damaged file, and the run resumes from the newest intact tag before it (the late
 with no intact tag the run is refused (exit 2). Default rather than opt-in so a requeued pre-empted job recovers
 without a person; the warning says which steps are redone.
 
-Exit codes: 0 done (or ``--max-steps`` reached), 1 a loader worker process died (the message names the shard it was
-reading), 2 bad input or an environment that cannot work (recipe, data, a corrupt shard or token id, resume mismatch,
-another run holding ``--output``, too little disk for a checkpoint, a checkpoint that fails to save, holds a non-
-allow-listed pickle or has no intact tag left, a stale extension build lock: one line naming the culprit; the last
-complete checkpoint is kept), 3 non-finite loss or weights (the last good checkpoint is kept; fp16 steps the loss
-scaler skipped leave the weights unchanged and are not counted), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the
-next step boundary, even the last step of a phase; resubmit with ``--resume auto``).
+Exit codes (:class:`bert_ds.exit_codes.ExitCode`, one error line each through :func:`bert_ds.errors.run_main`): 0
+done (or ``--max-steps`` reached), 1 a loader worker process died (the message names the shard it was reading), 2 bad
+input or an environment that cannot work (recipe, data, a corrupt shard or token id, resume mismatch, another run
+holding ``--output``, too little disk for a checkpoint at pre-flight, a checkpoint that holds a non-allow-listed
+pickle or has no intact tag left: one line naming the culprit; the last complete checkpoint is kept), 3 non-finite
+loss or weights (the last good checkpoint is kept; fp16 steps the loss scaler skipped leave the weights unchanged and
+are not counted), 74 a checkpoint save the storage failed (disk full, quota, I/O error; ``latest`` still names the
+previous tag), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the next step boundary, even the last step of a phase,
+or stopped before the first step; resubmit with ``--resume auto``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.data.loader import LoaderWorkerError
+from bert_ds.errors import run_main
 from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import load_recipe
 from bert_ds.runtime import supervise
@@ -179,44 +182,37 @@ def train(args: RunArgs, preemption: Preemption | None = None) -> int:
         release_shm_buffers()
 
 
-def _error(message: str) -> None:
-    # One write per line: ranks share the launcher's stderr, and print() writes the text and the newline separately.
-    sys.stderr.write(f"bert_ds.runtime.pretrain: error: {message}\n")
-    sys.stderr.flush()
+PROG = "bert_ds.runtime.pretrain"
+"""How every rank's error line starts (``bert_ds.runtime.pretrain: error: ...``), whichever name started it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses the command line, then arms the pre-emption handler before anything else (SIGTERM/SIGUSR1 from here on
-    end in exit 75, never 143), runs, and reports the exit code to ``bert-ds deepspeed`` when it started this rank
-    (:mod:`bert_ds.runtime.supervise`; an exception that escapes is Python's exit 1)."""
+    end in exit 75, never 143), runs through :func:`bert_ds.errors.run_main` (one error line, the error's exit code),
+    and reports the exit code to ``bert-ds deepspeed`` when it started this rank (:mod:`bert_ds.runtime.supervise`;
+    an exception that escapes is Python's exit 1)."""
     args = parse_args(argv)
     preemption = Preemption()
     supervise.arm()
     code = ExitCode.FAILED
     try:
-        code = _main(args, preemption)
+        code = run_main(PROG, _train, args, preemption)
         return code
     finally:
         supervise.report_exit(code)
 
 
-def _main(args: RunArgs, preemption: Preemption) -> int:
+def _train(args: RunArgs, preemption: Preemption) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return train(args, preemption)
-    except (ValueError, FileNotFoundError) as exc:
-        _error(str(exc))
-        return EXIT_BAD_INPUT
-    except NonFiniteLossError as exc:
-        _error(str(exc))
-        return EXIT_NONFINITE
     except LoaderWorkerError as exc:  # a worker process died (e.g. killed for memory): not bad input, but one line
-        if Preemption.last_signal is not None:  # e.g. the deepspeed launcher ending every rank after one failed
-            _error(f"stopped by {signal.Signals(Preemption.last_signal).name} (the launcher ends all ranks when one "
-                   f"fails; look for the first failing rank above) while loader workers were ending: {exc}")
-        else:
-            _error(str(exc))
-        return EXIT_FAILED
+        if Preemption.last_signal is None:
+            raise
+        # e.g. the deepspeed launcher ending every rank after one failed
+        raise LoaderWorkerError(f"stopped by {signal.Signals(Preemption.last_signal).name} (the launcher ends all "
+                                f"ranks when one fails; look for the first failing rank above) while loader workers "
+                                f"were ending: {exc}") from exc
 
 
 if __name__ == "__main__":

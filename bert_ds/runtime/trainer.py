@@ -22,6 +22,7 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.data.batch import MODEL_INPUTS
 from bert_ds.data.workers import raise_if_worker_died
 from bert_ds.deepspeed_internals import loss_scale
+from bert_ds.errors import BertDsError
 from bert_ds.exit_codes import ExitCode
 from bert_ds.model.unpad import host_counts
 from bert_ds.optim.schedule import rescale_peak
@@ -40,8 +41,10 @@ _SUMMED = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_total", "nsp_corr
            "preempt_requested", "nonfinite_weights")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(BertDsError, RuntimeError):
     """The loss, gradient norm or updated weights stayed non-finite; the last good checkpoint is kept (exit 3)."""
+
+    exit_code = ExitCode.NONFINITE
 
 
 class Preemption:

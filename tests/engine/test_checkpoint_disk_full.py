@@ -35,7 +35,7 @@ def _recipe(path: Path) -> Path:
 def _assert_failed_cleanly(proc: subprocess.CompletedProcess, run: Path, lines_expected: int) -> None:
     ckpt_dir = run / "checkpoints"
     errors = [ln for ln in proc.stderr.splitlines() if "cannot save checkpoint phase1-step000002" in ln]
-    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert proc.returncode == 74, proc.stderr[-4000:]  # ExitCode.IO_ERROR: the storage failed, not the input
     assert len(errors) == lines_expected, proc.stderr[-4000:]
     assert f" in {ckpt_dir} (" in errors[0] and "MiB free there, a checkpoint of this run needs about" in errors[0]
     assert "'latest' still names phase1-step000001" in errors[0] and "Traceback" not in proc.stderr

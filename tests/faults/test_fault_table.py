@@ -641,7 +641,7 @@ CASES = [
          2, r"{culprit}: refused to load.*posix\.system", check_pickle),
     Case("second-run-same-output", "7", "a second run on the --output a live run holds", second_run_same_output, 2,
          r"{culprit} is in use by another bert_ds run \(pid \d+ on host", check_second_run),
-    Case("disk-full", "8", "1 MiB file-size limit on every rank (EFBIG) at the step-4 save", disk_full, 2,
+    Case("disk-full", "8", "1 MiB file-size limit on every rank (EFBIG) at the step-4 save", disk_full, 74,
          r"cannot save checkpoint phase1-step000004 in {culprit} \(.*MiB free there, a checkpoint of this run needs",
          check_disk_full),
     Case("half-deleted-tag", "9", "a prune and a save killed midway left .<tag>.deleting and <tag>.tmp",
