@@ -34,6 +34,8 @@ from tests.helpers import HANG_GUARD_S
 from tests.helpers.checkpoint_damage import rerecord_checksum
 from tests.helpers.faults import (
     FINAL_TAG,
+    IN_PROCESS,
+    LAUNCHED,
     PHASE1_END,
     REPO,
     FaultContext,
@@ -50,14 +52,13 @@ from tests.helpers.faults import (
     patch_file,
     rehash,
     report_row,
+    run,
     signal_every_rank,
     tool_cmd,
 )
 from tests.helpers.faults import FaultCase as Case
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import assert_close_params, weights
-
-pytestmark = pytest.mark.e2e
 
 LAUNCHER_EXIT = r"launch\.py:\d+:sigkill_handler\].*exits with return code"
 """The deepspeed launcher's line when a rank dies: it names the rank's command line (``--local_rank=N``)."""
@@ -607,7 +608,8 @@ CASES = [
          r"^bert_ds\.runtime\.pretrain: error: a DataLoader worker died: worker 0 \(pid \d+\) was reading "
          r"\S+/shard-", check_worker_killed),
     Case("flipped-byte-preflight", "2", "one flipped byte in a token id, --verify-shards sha256",
-         flipped_byte_preflight, 2, r"{culprit}: sha256 mismatch \(index\.json says", check_refused_before_step),
+         flipped_byte_preflight, 2, r"{culprit}: sha256 mismatch \(index\.json says", check_refused_before_step,
+         level=IN_PROCESS),
     Case("flipped-byte-first-open", "2", "one flipped byte in a token id, default --verify-shards size",
          flipped_byte_first_open, 2, r"{culprit}: sha256 mismatch \(index\.json says", check_stopped_at_first_batch),
     Case("flipped-byte-verify-cli", "2", "one flipped byte in a token id, tools/verify_shards.py --level sha256",
@@ -617,13 +619,13 @@ CASES = [
          check_stopped_at_first_batch),
     Case("bad-length-headers-preflight", "4", "a record's length field off by 3, --verify-shards headers",
          bad_length_headers_preflight, 2, r"{culprit}: field 'length' or 'num_predictions' disagrees with the record",
-         check_refused_before_step),
+         check_refused_before_step, level=IN_PROCESS),
     Case("bad-length-first-open", "4", "a record's length field off by 3 (re-hashed), default size level",
          bad_length_first_open, 2, r"{culprit}: field 'length' or 'num_predictions' disagrees with the record",
          check_stopped_at_first_batch),
     Case("wrong-count-headers-preflight", "4", "index.json per-shard count +1, --verify-shards headers",
          wrong_count_headers_preflight, 2, r"{culprit}: sample count mismatch \(index\.json says \d+, file has \d+\)",
-         check_refused_before_step),
+         check_refused_before_step, level=IN_PROCESS),
     Case("wrong-count-first-open", "4", "index.json per-shard count +1, default size level",
          wrong_count_first_open, 2, r"{culprit}: sample count mismatch \(index\.json says \d+, file has \d+\)",
          check_stopped_at_first_batch),
@@ -658,23 +660,24 @@ CASES = [
          r"optimizer\.weight_decya", lambda ctx, out: _nothing_written(ctx.run)),
     Case("seq-len-order", "input", "--data given as seq 512 then 128", seq_len_order, 2,
          r"--data {culprit} \(phases\[0\]\)/index\.json: field 'seq_len' is 512 but the run expects 128",
-         lambda ctx, out: _nothing_written(ctx.run)),
+         lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("vocab-mismatch", "input", "a tokenizer with one more token than the shards'", vocab_mismatch, 2,
          r"field 'vocab_(sha256|size)'", lambda ctx, out: _nothing_written(ctx.run)),
     Case("missing-shard", "input", "shard-000003.tar deleted", missing_shard, 2,
-         r"s128/shard-000003\.tar: missing", lambda ctx, out: _nothing_written(ctx.run)),
+         r"s128/shard-000003\.tar: missing", lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("truncated-shard", "input", "shard-000002.tar cut by 10 KiB", truncated_shard, 2,
-         r"s128/shard-000002\.tar: byte size mismatch", lambda ctx, out: _nothing_written(ctx.run)),
+         r"s128/shard-000002\.tar: byte size mismatch", lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("missing-tokenizer", "input", "--tokenizer names no directory", missing_tokenizer, 2,
-         r"{culprit}", lambda ctx, out: _nothing_written(ctx.run)),
+         r"{culprit}", lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("phase2-without-checkpoint", "input", "--phase 2 on an empty --output", phase2_without_checkpoint, 2,
-         r"--phase 2 starts from phase 1's final checkpoint", lambda ctx, out: _nothing_written(ctx.run)),
+         r"--phase 2 starts from phase 1's final checkpoint", lambda ctx, out: _nothing_written(ctx.run),
+         level=IN_PROCESS),
     Case("resume-changed-recipe", "input", "--resume auto with phases[0].warmup_fraction changed",
          resume_changed_recipe, 2, r"different recipe; field\(s\) \['phases\[0\]\.warmup_fraction'\] differ",
          check_run_unchanged),
     Case("batch-not-divisible", "input", "global batch 4 with micro batch 4 on 2 ranks", batch_not_divisible, 2,
          r"phases\[0\]\.global_batch_size=4 is not divisible by phases\[0\]\.micro_batch_size=4 x world size 2",
-         lambda ctx, out: _nothing_written(ctx.run)),
+         lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("nonfinite-loss", "input", "phase 1 lr 1e3, a checkpoint every step", huge_lr, 3,
          r"non-finite .* for 3 consecutive steps .*last good checkpoint: phase1-step\d{6}", check_huge_lr),
 ]
@@ -723,10 +726,12 @@ def test_table_has_every_item():
     assert len({case.id for case in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES
+                                  if c.level == LAUNCHED])
 def test_fault(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_dir):
     ctx = Ctx(tmp=tmp_path, request=request, s128=shards_128, s512=shards_512, tokenizer=tokenizer_dir)
-    out = execute(case.setup(ctx))
+    out = run(case, case.setup(ctx))
     message = out.first_line(case.first_line)
     lost = "not checked (an assertion above failed)"
     try:
@@ -738,3 +743,11 @@ def test_fault(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_
         lost = case.check(ctx, out)
     finally:
         report_row(case.id, case.item, out, message, lost)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES
+                                  if c.level == IN_PROCESS])
+def test_fault_in_process(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_dir):
+    """The refusals pre-flight decides, checked as each rank would decide them, without ranks (the default tier);
+    the launched rows above prove the exit code and the line reach the user through real ranks."""
+    test_fault(case, request, tmp_path, shards_128, shards_512, tokenizer_dir)

@@ -24,6 +24,8 @@ import torch
 from bert_ds import checkpoint as ckpt
 from tests.helpers.faults import (
     FINAL_TAG,
+    IN_PROCESS,
+    LAUNCHED,
     PHASE1_END,
     FaultContext,
     Launch,
@@ -31,14 +33,13 @@ from tests.helpers.faults import (
     execute,
     fault_recipe,
     report_row,
+    run,
     tool_cmd,
     tree_bytes,
 )
 from tests.helpers.faults import FaultCase as Case
 from tests.helpers.ranks import rank_command
 from tests.helpers.runs import weights
-
-pytestmark = pytest.mark.e2e
 
 WARNING_LINE = r"RESUMING FROM AN OLDER CHECKPOINT"
 
@@ -404,7 +405,7 @@ CASES = [
          r".*cased is cased", _unchanged),
     Case("cased-tokenizer-uncased-shards", "2", "tokenizer says cased, shards' index.json uncased",
          fresh_cased_tokenizer_uncased_shards, 2, r"{culprit}: field 'lowercase' is True \(uncased\) but --tokenizer "
-         r".*cased is cased", _nothing_written),
+         r".*cased is cased", _nothing_written, level=IN_PROCESS),
     Case("convert-rewritten-vocab", "1, 2", "checkpoints/tokenizer/vocab.txt replaced by a same-size vocabulary",
          convert_rewritten_tokenizer, 2, r"^error: .*phase1-step000002 was trained with vocabulary sha256 \w+\.\.\. "
          r"but .*tokenizer/vocab\.txt has \w+\.\.\. \(id 200: '.*' in .*phase1-step000002/vocab\.txt but '.*' in "
@@ -510,10 +511,11 @@ def _train(root: Path, s128: Path, s512: Path, tokenizer: Path, *extra: str) -> 
     return root / "run"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.level == LAUNCHED])
 def test_fault(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_dir):
     ctx = Ctx(tmp=tmp_path, request=request, s128=shards_128, s512=shards_512, tokenizer=tokenizer_dir)
-    out = execute(case.setup(ctx))
+    out = run(case, case.setup(ctx))
     message = out.first_line(case.first_line)
     lost = "not checked (an assertion above failed)"
     try:
@@ -526,3 +528,10 @@ def test_fault(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_
         lost = case.check(ctx, out)
     finally:
         report_row(case.id, case.item, out, message, lost)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.level == IN_PROCESS])
+def test_fault_in_process(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_dir):
+    """The refusals pre-flight decides, checked as each rank would decide them, without ranks (the default tier);
+    the launched rows above prove the exit code and the line reach the user through real ranks."""
+    test_fault(case, request, tmp_path, shards_128, shards_512, tokenizer_dir)

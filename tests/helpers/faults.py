@@ -170,6 +170,9 @@ class FaultCase:
     """Which output line is the first of the message."""
     marks: tuple = ()
     """pytest marks of the row."""
+    level: str = "launched"
+    """``launched``: the command runs for real (ranks under ``bert-ds deepspeed``; an ``e2e`` test). ``in-process``:
+    a refusal pre-flight decides, checked by :func:`decide_in_process` in the default tier without ranks."""
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,60 @@ def execute(launch: Launch, timeout: float = HANG_GUARD_S) -> Outcome:
     reader.join(timeout=30)
     t0, fault = fired[0] if fired else (start, None)
     return Outcome(returncode=returncode, seconds=end - t0, lines=lines, fault=fault, survivors=survivors)
+
+
+IN_PROCESS, LAUNCHED = "in-process", "launched"
+
+
+def _pretrain_argv(cmd: list[str]) -> tuple[int, list[str]]:
+    """(ranks, pretrain arguments) of a :func:`~tests.helpers.ranks.rank_command`."""
+    at = next((i for i, a in enumerate(cmd) if a.endswith("pretrain.py") or a == "bert_ds.runtime.pretrain"), None)
+    assert at is not None, f"not a pre-training command: {cmd}"
+    ranks = int(cmd[cmd.index("--num_gpus") + 1]) if "--num_gpus" in cmd else 1
+    return ranks, cmd[at + 1:]
+
+
+def decide_in_process(launch: Launch) -> Outcome:
+    """What the ranks of ``launch`` (a pre-training command) would decide before joining a process group, decided
+    here: ``bert_ds.runtime.pretrain.preflight`` as each rank, with ``launch.env``; the first refusal becomes the
+    outcome (its exit code and the one line ``run_main`` writes). A command pre-flight accepts is an error: its row
+    must be launched."""
+    import contextlib
+    import io
+
+    from bert_ds.errors import error_lines, exit_code_of
+    from bert_ds.runtime.pretrain import PROG, preflight
+
+    assert launch.trigger is None and launch.preexec is None, "a trigger or preexec needs a launch"
+    ranks, argv = _pretrain_argv(launch.cmd)
+    saved = {k: os.environ.get(k) for k in launch.env}
+    os.environ.update(launch.env)
+    start, stderr = time.monotonic(), io.StringIO()
+    try:
+        for rank in range(ranks):
+            try:
+                with contextlib.redirect_stderr(stderr):
+                    preflight(argv, rank, ranks)
+            except SystemExit as exc:  # argparse's refusal: its usage and error lines are already on stderr
+                return Outcome(int(exc.code), time.monotonic() - start, stderr.getvalue().splitlines(True), None, [])
+            except Exception as exc:
+                code = exit_code_of(exc)
+                if code is None:
+                    raise
+                lines = (stderr.getvalue() + error_lines(PROG, str(exc))).splitlines(True)
+                return Outcome(int(code), time.monotonic() - start, lines, None, [])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    raise AssertionError(f"pre-flight accepted {argv} on all {ranks} rank(s): this row needs level={LAUNCHED!r}")
+
+
+def run(case: FaultCase, launch: Launch) -> Outcome:
+    """The row's command, at its level."""
+    return decide_in_process(launch) if case.level == IN_PROCESS else execute(launch)
 
 
 def limit_memory(limit_bytes: int) -> Callable[[], None]:
