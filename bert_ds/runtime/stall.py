@@ -36,7 +36,7 @@ log = logging.getLogger("bert_ds.runtime.pretrain")
 
 DEFAULT_FLOOR_S = 300.0
 """The default bound's floor: half DeepSpeed's default process-group timeout (10 minutes), so the watchdog names the
-stalled rank before gloo or NCCL end the waiting collective with a time-out error that names none."""
+stalled rank before that timeout can end the waiting collective with an error that names none."""
 STEP_FACTOR = 10.0
 """The default bound is this many times the slowest training step seen so far (above the floor)."""
 SLOW_FLOOR_S = 1800.0
