@@ -21,6 +21,7 @@ imported only inside the functions that need it, so reading a run directory does
 from bert_ds.checkpoint.integrity import DamagedCheckpointError, check_tag, verify_tag
 from bert_ds.checkpoint.layout import (
     CHECKPOINT_DIR,
+    HEARTBEAT_DIR,
     LAST_SAVE_NAME,
     MODEL_CONFIG_NAME,
     RUN_STATE_NAME,
@@ -31,6 +32,7 @@ from bert_ds.checkpoint.layout import (
     RunLockedError,
     checkpoint_dir,
     first_id_differing,
+    heartbeat_file,
     list_tags,
     open_checkpoint,
     parse_tag,
@@ -76,15 +78,14 @@ from bert_ds.safe_load import (
     load_tensor_file,
 )
 
-__all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "LAST_SAVE_NAME", "LOCK_NAME",
+__all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "HEARTBEAT_DIR", "LAST_SAVE_NAME", "LOCK_NAME",
            "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME", "CheckpointError",
-           "CheckpointRef", "CheckpointSaveError",
-           "DamagedCheckpointError", "check_tag", "reading_tag", "verify_tag", "zero_partition_files",
-           "Handoff", "RestoredRun", "RunLock", "RunLockedError", "UnsafeCheckpointError", "acquire_run_lock",
-           "check_free_space", "checkpoint_dir", "consolidated_state_dict", "deepspeed_loads_weights_only",
-           "first_id_differing",
-           "hold_run_dir", "list_tags", "load_rng_state", "load_tensor_file", "open_checkpoint", "open_handoff",
-           "parameter_count", "parse_tag", "prune_checkpoints", "read_last_save", "read_latest", "read_model_config",
-           "read_run_state", "remove_debris", "resolve_tag", "restore_run", "rng_file", "save_checkpoint",
-           "save_rng_state", "save_time_line", "set_aside_damaged", "tag_for",
+           "CheckpointRef", "CheckpointSaveError", "DamagedCheckpointError", "Handoff", "RestoredRun", "RunLock",
+           "RunLockedError", "UnsafeCheckpointError", "acquire_run_lock", "check_free_space", "check_tag",
+           "checkpoint_dir", "consolidated_state_dict", "deepspeed_loads_weights_only", "first_id_differing",
+           "heartbeat_file", "hold_run_dir", "list_tags", "load_rng_state", "load_tensor_file", "open_checkpoint",
+           "open_handoff", "parameter_count", "parse_tag", "prune_checkpoints", "read_last_save", "read_latest",
+           "read_model_config", "read_run_state", "reading_tag", "remove_debris", "resolve_tag", "restore_run",
+           "rng_file", "save_checkpoint", "save_rng_state", "save_time_line", "set_aside_damaged", "tag_for",
+           "verify_tag", "zero_partition_files",
            "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]

@@ -5,6 +5,8 @@ Layout::
     RUN_DIR/.lock                        flock of the live run: host, pid, start time (one run per directory)
     RUN_DIR/recipe.json                  the resolved recipe of the run
     RUN_DIR/tensorboard/                 metrics
+    RUN_DIR/heartbeat/rank00000.json ... each rank's last activity, rewritten every few seconds while it trains
+                                         (the progress watchdog, :mod:`bert_ds.runtime.stall`, writes and reads them)
     RUN_DIR/checkpoints/                 DeepSpeed's save dir
         latest                           tag of the newest *complete* checkpoint (written last, atomically)
         last_save.json                   how long the newest save took (tag, seconds, ranks, bytes): advisory, read
@@ -43,13 +45,15 @@ from bert_ds.data.tokenizer import META_NAME, load_tokenizer, read_lowercase
 from bert_ds.errors import StorageError
 from bert_ds.safe_load import CheckpointError
 
-__all__ = ["CHECKPOINT_DIR", "LAST_SAVE_NAME", "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME",
-           "TOKENIZER_DIR_NAME", "CheckpointRef", "CheckpointSaveError", "RunLockedError", "checkpoint_dir",
-           "first_id_differing", "list_tags", "open_checkpoint", "parse_tag", "read_last_save", "read_latest",
-           "read_model_config", "read_run_state", "remove_debris", "resolve_tag", "rng_file", "save_time_line",
-           "set_aside_damaged", "tag_for", "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]
+__all__ = ["CHECKPOINT_DIR", "HEARTBEAT_DIR", "LAST_SAVE_NAME", "MODEL_CONFIG_NAME", "RUN_STATE_NAME",
+           "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME", "CheckpointRef", "CheckpointSaveError", "RunLockedError",
+           "checkpoint_dir", "first_id_differing", "heartbeat_file", "list_tags", "open_checkpoint", "parse_tag",
+           "read_last_save", "read_latest", "read_model_config", "read_run_state", "remove_debris", "resolve_tag",
+           "rng_file", "save_time_line", "set_aside_damaged", "tag_for", "tokenizer_dir", "trained_vocabulary",
+           "write_run_metadata"]
 
 CHECKPOINT_DIR = "checkpoints"
+HEARTBEAT_DIR = "heartbeat"
 RUN_STATE_NAME = "run_state.json"
 MODEL_CONFIG_NAME = "model_config.json"
 TOKENIZER_DIR_NAME = "tokenizer"
@@ -88,6 +92,12 @@ class CheckpointRef:
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR
+
+
+def heartbeat_file(run_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` of a run in ``run_dir`` writes its heartbeat (the format is :mod:`bert_ds.runtime.stall`'s):
+    on the run directory, so every node of the job sees every rank's file."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"rank{rank:05d}.json"
 
 
 def tag_for(phase_index: int, step: int) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -44,6 +45,15 @@ class RunArgs:
     init_from_hf: str | None = None
     num_workers: int = 1
     verify_shards: str = "size"
+    step_timeout: float | None = None
+    """Seconds a training step may take before the progress watchdog ends the job (exit 124); None: derived from the
+    measured step time (:func:`bert_ds.runtime.stall.step_bound`); 0: no watchdog."""
+
+    def __post_init__(self) -> None:
+        t = self.step_timeout
+        if t is not None and not (t == 0 or (math.isfinite(t) and t >= 1)):
+            raise ValueError(f"--step-timeout {t:g}: give the seconds a training step may take (at least 1), or 0 to "
+                             f"turn the progress watchdog off")
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> RunArgs:

@@ -31,7 +31,8 @@ pickle or has no intact tag left: one line naming the culprit; the last complete
 loss or weights (the last good checkpoint is kept; fp16 steps the loss scaler skipped leave the weights unchanged and
 are not counted), 74 a checkpoint save the storage failed (disk full, quota, I/O error; ``latest`` still names the
 previous tag), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the next step boundary, even the last step of a phase,
-or stopped before the first step; resubmit with ``--resume auto``).
+or stopped before the first step; resubmit with ``--resume auto``), 124 a rank made no progress for
+``--step-timeout`` (:mod:`bert_ds.runtime.stall`: one line names the stalled ranks; resubmit with ``--resume auto``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import load_recipe
 from bert_ds.runtime import supervise
 from bert_ds.runtime.preflight import RunArgs, RunPlan, StartPoint, plan_run
+from bert_ds.runtime.stall import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_FACTOR, start_watchdog
 from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
@@ -90,11 +92,22 @@ def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
                         "size (a stat per shard), headers (+ tar headers, record length fields, per-shard counts), "
                         "sha256 (+ content against index.json). Whatever is chosen, each loader worker also hashes "
                         "a shard on first open unless sha256 already ran here")
+    p.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                   help="progress watchdog: when a training step takes longer than SECONDS on any rank (a stuck "
+                        "collective, a dead mount, a lost GPU), every live rank prints one line naming the stalled "
+                        f"ranks (host, local rank, pid) and what each last did, and exits {int(ExitCode.STALLED)} "
+                        "(retryable with --resume "
+                        f"auto). Default: max({DEFAULT_FLOOR_S:.0f}, {STEP_FACTOR:g} x the slowest step so far). A "
+                        f"phase's set-up and first step, an evaluation and a checkpoint save may take at least "
+                        f"{SLOW_FLOOR_S:.0f} s. 0 turns the watchdog off")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.max_steps is not None and args.max_steps < 1:
         p.error(f"--max-steps must be >= 1, got {args.max_steps}")
-    return RunArgs.from_namespace(args)
+    try:
+        return RunArgs.from_namespace(args)
+    except ValueError as exc:  # RunArgs checks its fields: one line, exit 2, before any rank starts
+        p.error(str(exc))
 
 
 def _metrics_logger(plan: RunPlan):
@@ -108,6 +121,8 @@ def _metrics_logger(plan: RunPlan):
 
 def run(plan: RunPlan, preemption: Preemption | None = None) -> int:
     """Run the planned phases in order; returns the exit code."""
+    from bert_ds.runtime.distributed import release_shm_buffers
+
     if plan.nothing_to_do:
         if plan.rank == 0:
             print(plan.nothing_to_do, flush=True)
@@ -122,18 +137,22 @@ def run(plan: RunPlan, preemption: Preemption | None = None) -> int:
             log.info("the previous run's last %s", ckpt.save_time_line(last_save))
     preemption = preemption or Preemption()
     metrics = _metrics_logger(plan)
+    # A stalled rank ends the job from a thread (os._exit): flush what the run has logged, free this rank's buffers.
+    watch = start_watchdog(plan.run_dir, plan.rank, plan.world_size, plan.args.step_timeout,
+                           before_exit=(metrics.flush, release_shm_buffers))
     try:
         if plan.rank == 0:
             metrics.log_text("recipe", "```\n" + json.dumps(plan.recipe.to_dict(), indent=2) + "\n```")
         start = plan.start
         while start.phase in plan.phases:
-            outcome = run_phase(plan, start.phase, start, metrics, preemption)
+            outcome = run_phase(plan, start.phase, start, metrics, preemption, watch)
             if outcome.exit_code is not None:
                 return outcome.exit_code
             start = StartPoint(phase=start.phase + 1, step=0, tag=outcome.last_tag, handoff=True)
             gc.collect()  # the finished phase's engine and loader workers
         return 0
     finally:
+        watch.stop()
         metrics.close()
         if run_lock is not None:
             run_lock.release()

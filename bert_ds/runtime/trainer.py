@@ -14,7 +14,7 @@ import math
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ from bert_ds.model.unpad import host_counts
 from bert_ds.optim.schedule import rescale_peak
 from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint
+from bert_ds.runtime.stall import NoWatchdog, StallWatchdog
 
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
            "StepRecord", "run_phase", "train_step"]
@@ -214,6 +215,8 @@ class _Phase:
     step: int
     consumed: int
     last_good: str | None
+    watch: StallWatchdog | NoWatchdog = field(default_factory=NoWatchdog)
+    """Where the loop marks each stretch of work (:mod:`bert_ds.runtime.stall`)."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +322,7 @@ def _save(plan: RunPlan, ph: _Phase, metrics, done: bool) -> None:
              "zero_stage": recipe.deepspeed.zero_stage, "precision": ph.te.precision,
              "vocab_sha256": plan.vocab_sha256, "lowercase": plan.lowercase}  # the converter checks tokenizer/
     tag = ckpt.tag_for(ph.index, ph.step)
+    ph.watch.begin(f"phase {ph.index + 1} step {ph.step}: checkpoint save {tag}", slow=True)
     ckpt.save_checkpoint(ph.te.engine, plan.run_dir, tag, state, recipe.logging.keep_last_k)
     ph.last_good = tag
     if plan.rank == 0:
@@ -348,6 +352,7 @@ def _evaluate_and_maybe_stop(plan: RunPlan, ph: _Phase, metrics, done: bool) -> 
     if ph.eval_loader is None or not (done or (phase.eval_interval and ph.step % phase.eval_interval == 0)):
         return done
     engine = ph.te.engine
+    ph.watch.begin(f"phase {ph.index + 1} step {ph.step}: evaluation", slow=True)
     result = evaluate(engine.module, ph.eval_loader, engine.device)
     metrics.log_eval(plan.first_step_of(ph.index) + ph.step, result)
     engine.train()
@@ -416,14 +421,19 @@ def _checkpoint_and_stop(plan: RunPlan, ph: _Phase, rec: StepRecord, metrics, do
     return None
 
 
-def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Preemption) -> PhaseOutcome:
+def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Preemption,
+              watch: StallWatchdog | NoWatchdog | None = None) -> PhaseOutcome:
     """Train phase ``p`` from ``start`` to its end (or a stop: pre-emption, ``--max-steps``, early stop at the
-    target eval accuracy)."""
+    target eval accuracy), marking each stretch of work on ``watch``."""
     recipe, phase = plan.recipe, plan.recipe.phases[p]
+    watch = watch or NoWatchdog()
+    watch.begin(f"phase {p + 1}: set-up (model, engine, checkpoint, loaders)", slow=True)
     ph = _start_phase(plan, p, start)
     if preemption.agreed(ph.te.engine.device):  # a signal during start-up (or the hand-off): stop, nothing to save
         code = preemption.stopped_during_startup(f"before phase {p + 1} step {ph.step + 1}", start.tag, plan.rank)
         return PhaseOutcome(exit_code=code, last_tag=start.tag)
+    ph.watch = watch
+    first = True  # compilation, loader start-up and the first collective: a slow stretch
     guard = NonFiniteGuard(recipe.logging.max_nonfinite_steps, p, ph.te.precision, plan.rank)
     it = iter(ph.loader)
     ph.te.engine.train()
@@ -432,6 +442,8 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
         # handler only records the death): here, one that died during the last step's eval or checkpoint ...
         raise_if_worker_died()
         dropout = DropoutKey(seed=recipe.seed, phase=p, step=ph.step, rank=plan.rank, world_size=plan.world_size)
+        watch.begin(f"phase {p + 1} step {ph.step + 1}: training step", slow=first)
+        first = False
         rec = train_step(ph.te, it, recipe.nsp, preemption, dropout)
         ph.step += 1
         ph.consumed += phase.global_batch_size
