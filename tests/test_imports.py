@@ -328,3 +328,21 @@ def test_no_function_over_sixty_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _redefined(source: str) -> list[str]:
+    """Top-level functions and classes a module defines more than once (the later silently replaces the earlier
+    for every caller, which ruff's F811 misses once the first is used)."""
+    names = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef
+                                                                    | ast.ClassDef)]
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+def test_the_redefinition_scan_sees_one():
+    assert _redefined("def _run(a, b):\n    pass\n\ndef f():\n    _run(1, 2)\n\ndef _run(a):\n    pass\n") == ["_run"]
+
+
+def test_no_module_defines_a_name_twice():
+    found = {str(p.relative_to(REPO)): names for p in sorted((REPO / "bert_ds").rglob("*.py"))
+             if (names := _redefined(p.read_text(encoding="utf-8")))}
+    assert found == {}, found

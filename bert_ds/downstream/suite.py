@@ -252,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.device == "cpu" or not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # see finetune.main
-    return run_main("bert-ds-glue", _run, args)
+    return run_main("bert-ds-glue", _suite_and_table, args)
 
 
-def _run(args: SuiteArgs) -> int:
+def _suite_and_table(args: SuiteArgs) -> int:
     table = run_suite(args)
     print(markdown_table(table), end="")
     print(f"wrote {Path(args.out) / (RESULTS_NAME + '.md')} and .json")
