@@ -48,6 +48,22 @@ def _identical(run: Path, reference: Path) -> None:
         assert not differ, f"{tag}: {len(differ)} of {len(want)} tensors differ from the uninterrupted run"
 
 
+def _signalled_run(tmp_path: Path, shards_128: Path, shards_512: Path, tokenizer: Path, trigger: Trigger):
+    """The 2-rank run (a loader worker per rank), started as a process-group leader and signalled by ``trigger``;
+    returns its run directory, recipe and outcome."""
+    run, recipe = tmp_path / "run", fault_recipe(tmp_path / "recipe.json")
+    args = _args(recipe, shards_128, shards_512, tokenizer, run, "--num-workers", "1")
+    return run, recipe, execute(Launch(rank_command(2, args), trigger, preexec=os.setsid))
+
+
+def _resumes_exactly(run: Path, recipe: Path, shards_128: Path, shards_512: Path, tokenizer: Path,
+                     reference: Path) -> None:
+    done = execute(Launch(rank_command(2, _args(recipe, shards_128, shards_512, tokenizer, run, "--num-workers", "1",
+                                                "--resume", "auto"))))
+    assert done.returncode == 0 and not done.survivors, done.text()[-4000:]
+    _identical(run, reference)
+
+
 def _group_sigterm(launcher: psutil.Process) -> str:
     workers = [c.pid for c in launcher.children(recursive=True) if "multiprocessing" in " ".join(c.cmdline())]
     os.killpg(launcher.pid, signal.SIGTERM)
@@ -69,10 +85,7 @@ def _tree_sigterm(launcher: psutil.Process) -> str:
 @pytest.mark.parametrize("deliver", [_group_sigterm, _tree_sigterm], ids=["group", "every-process"])
 def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, shards_128, shards_512,
                                                                   tokenizer_dir, tmp_path, deliver):
-    run = tmp_path / "run"
-    recipe = fault_recipe(tmp_path / "recipe.json")
-    args = _args(recipe, shards_128, shards_512, tokenizer_dir, run, "--num-workers", "1")
-    out = execute(Launch(rank_command(2, args), Trigger(r"^step 3 \|", deliver), preexec=os.setsid))
+    run, recipe, out = _signalled_run(tmp_path, shards_128, shards_512, tokenizer_dir, Trigger(r"^step 3 \|", deliver))
     message = out.first_line(r"pre-empted: checkpointed at phase 1 step \d+")
     lost = "not checked (an assertion above failed)"
     try:
@@ -85,10 +98,7 @@ def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, s
         assert not out.survivors, out.survivors
         assert out.returncode == 75, (out.returncode, out.text()[-4000:])
         assert re.search(r"exits with return code = 75|exit 75", out.text()), out.text()[-4000:]
-        done = execute(Launch(rank_command(2, _args(recipe, shards_128, shards_512, tokenizer_dir, run,
-                                                    "--num-workers", "1", "--resume", "auto"))))
-        assert done.returncode == 0 and not done.survivors, done.text()[-4000:]
-        _identical(run, reference_run)
+        _resumes_exactly(run, recipe, shards_128, shards_512, tokenizer_dir, reference_run)
         lost = f"nothing: {tag} written; resumed to {FINAL_TAG} bit-identical to the uninterrupted run (dropout 0.1)"
     finally:
         report_row(f"{deliver.__name__.strip('_').replace('_', '-')}-workers", "4", out, message, lost)
@@ -140,10 +150,8 @@ def test_sigterm_during_startup_exits_75_having_written_nothing(reference_run, s
                                                                 tmp_path, deliver):
     """TERM as DeepSpeed's runner logs its command line, before any rank exists or trains: the command exits 75, no
     checkpoint is written, nothing survives, and ``--resume auto`` then trains the whole run bit for bit."""
-    run = tmp_path / "run"
-    recipe = fault_recipe(tmp_path / "recipe.json")
-    args = _args(recipe, shards_128, shards_512, tokenizer_dir, run, "--num-workers", "1")
-    out = execute(Launch(rank_command(2, args), Trigger(r"runner\.py.*cmd = ", deliver), preexec=os.setsid))
+    run, recipe, out = _signalled_run(tmp_path, shards_128, shards_512, tokenizer_dir,
+                                      Trigger(r"runner\.py.*cmd = ", deliver))
     message = out.first_line(r"pre-empted |bert-ds deepspeed: SIGTERM")
     lost = "not checked (an assertion above failed)"
     try:
@@ -153,10 +161,7 @@ def test_sigterm_during_startup_exits_75_having_written_nothing(reference_run, s
         assert not out.survivors, out.survivors
         tags = sorted(p.name for p in (run / "checkpoints").glob("phase*")) if (run / "checkpoints").is_dir() else []
         assert tags == [], tags
-        done = execute(Launch(rank_command(2, _args(recipe, shards_128, shards_512, tokenizer_dir, run,
-                                                    "--num-workers", "1", "--resume", "auto"))))
-        assert done.returncode == 0 and not done.survivors, done.text()[-4000:]
-        _identical(run, reference_run)
+        _resumes_exactly(run, recipe, shards_128, shards_512, tokenizer_dir, reference_run)
         lost = f"nothing: no checkpoint written; the resumed run's {FINAL_TAG} bit-identical to the uninterrupted run"
     finally:
         report_row(f"startup-{deliver.__name__.strip('_').replace('_', '-')}", "4", out, message, lost)
