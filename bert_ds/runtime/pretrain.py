@@ -219,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     finally:
         supervise.report_exit(code)
+        # The exit code is decided: a pre-emption signal from here on is moot (a batch script forwarding its own TERM
+        # as USR1 while the ranks exit, say), and Python's finalization would put back the default action, which
+        # dies of it (seen: Slurm tasks ended by USR1 after "exit 75", the job 134).
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _train(args: RunArgs, preemption: Preemption) -> int:
