@@ -114,6 +114,8 @@ class _Supervisor:
         self.dir = directory
         self.pending: int | None = None
         self.signalled: set[int] = set()
+        self.runner_code: int | None = None
+        """DeepSpeed's runner's status (``os.waitstatus_to_exitcode``) once it was reaped."""
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         env = dict(os.environ, **{DIR_ENV: str(directory)})
         cmd = [sys.executable, "-u", "-m", RUNNER_MODULE, *argv]
@@ -172,9 +174,9 @@ class _Supervisor:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return getattr(self, "runner_code", None)
+                return self.runner_code
             if pid == 0:
-                return getattr(self, "runner_code", None)
+                return self.runner_code
             if pid == self.runner.pid:
                 self.runner_code = os.waitstatus_to_exitcode(status)
 
@@ -185,10 +187,8 @@ class _Supervisor:
             return []
 
     def run(self) -> int:
-        runner_code = None
-        while runner_code is None:
+        while self._reap() is None:
             self._forward()
-            runner_code = self._reap()
             time.sleep(POLL_S)
         deadline = time.monotonic() + LEFTOVER_GRACE_S
         while self._descendants_left() and time.monotonic() < deadline:
@@ -200,7 +200,7 @@ class _Supervisor:
                              f"runner exited\n")
             proc.kill()
         self._reap()
-        return exit_code_of(self._reports(), runner_code, preempted=self.pending is not None)
+        return exit_code_of(self._reports(), self.runner_code, preempted=self.pending is not None)
 
     def _reports(self) -> dict[int, int]:
         reports = {}
