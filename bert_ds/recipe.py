@@ -22,6 +22,8 @@ _KERNELS = ("auto", "triton", "torch", "apex")
 _TRUST_RATIO_RULES = ("all", "decay_only")
 """``optimizer.trust_ratio`` values; the same names as ``ZeroAwareLamb(trust_ratio=...)``."""
 _PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+_SCHEDULES = ("warmup_poly", "nvidia_poly", "composer_linear", "time_linear")
+"""``phase.schedule`` values; the formulas are in :mod:`bert_ds.optim.schedule` (its ``SCHEDULES``)."""
 _DEFAULT_MASKED_LM_PROB = 0.15  # BERT paper §3.1
 
 
@@ -80,7 +82,8 @@ class OptimizerConfig:
 class PhaseConfig:
     seq_len: int
     steps: int
-    """Optimizer steps in this phase (each consumes ``global_batch_size`` sequences)."""
+    """Optimizer steps in this phase (each consumes ``global_batch_size`` sequences); with ``schedule: time_linear``
+    the most steps the phase may take (it ends at ``budget_hours`` or here, whichever comes first)."""
     global_batch_size: int
     micro_batch_size: int
     """Sequences per rank per forward pass; accumulation = global / (micro * world size)."""
@@ -89,7 +92,20 @@ class PhaseConfig:
     max_predictions: int
     """Masked positions per sequence (Google/NVIDIA: 20 at seq 128, 80 at seq 512); shards must match."""
     decay_power: float = 0.5
-    """Polynomial decay power after warm-up (NVIDIA's PolyWarmUpScheduler uses 0.5; 1.0 is linear decay)."""
+    """Polynomial decay power (NVIDIA's PolyWarmUpScheduler uses 0.5; 1.0 is linear decay). The linear schedules
+    (``composer_linear``, ``time_linear``) need 1.0."""
+    schedule: str = "warmup_poly"
+    """The warm-up + decay formula (:mod:`bert_ds.optim.schedule`). ``warmup_poly``: warm-up over
+    ``int(warmup_fraction * S)`` steps, then decay to 0 from the warm-up's end. ``nvidia_poly``: NVIDIA's
+    ``PolyWarmUpScheduler``, decay ``(1 - n / S) ** decay_power`` from the phase start. ``composer_linear``:
+    Composer's ``LinearWithWarmupScheduler`` (MosaicBERT), linear decay to ``final_lr_fraction``. ``time_linear``:
+    academic-budget-bert's time-based schedule over ``budget_hours`` of training time."""
+    final_lr_fraction: float = 0.0
+    """``composer_linear`` only: the lr at the end of the schedule, as a fraction of ``lr`` (MosaicBERT: 0.02)."""
+    budget_hours: float | None = None
+    """``time_linear`` only (and required there): the training-time budget in hours. Warm-up takes the first
+    ``warmup_fraction`` of it, the lr reaches 0 at its end and the phase stops there; the elapsed time is saved in
+    each checkpoint and continues on resume."""
     schedule_steps: int | None = None
     """Length of the warm-up + decay schedule when it is longer than the phase (``None``: ``steps``). Warm-up is
     ``warmup_fraction * schedule_steps`` and the lr would reach 0 at ``schedule_steps``; the phase stops at ``steps``.
@@ -128,6 +144,7 @@ class PhaseConfig:
             raise ValueError(f"phase.warmup_fraction={self.warmup_fraction!r} must be in [0, 1)")
         if not self.decay_power > 0:
             raise ValueError(f"phase.decay_power={self.decay_power!r} must be > 0")
+        self._check_schedule()
         if self.max_predictions > self.seq_len:
             raise ValueError(f"phase.max_predictions={self.max_predictions} exceeds phase.seq_len={self.seq_len}")
         if not 0.0 < self.masked_lm_prob < 1.0:
@@ -137,6 +154,32 @@ class PhaseConfig:
                              f"masks come with the shards)")
         if self.target_mlm_accuracy is not None and not 0.0 < self.target_mlm_accuracy <= 1.0:
             raise ValueError(f"phase.target_mlm_accuracy={self.target_mlm_accuracy!r} must be in (0, 1]")
+
+
+    def _check_schedule(self) -> None:
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"phase.schedule={self.schedule!r}: choose one of {_SCHEDULES}")
+        linear = self.schedule in ("composer_linear", "time_linear")
+        if linear and self.decay_power != 1.0:
+            raise ValueError(f"phase.decay_power={self.decay_power!r}: phase.schedule={self.schedule!r} decays "
+                             f"linearly; set decay_power to 1.0")
+        frac = self.final_lr_fraction
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0.0 <= frac < 1.0:
+            raise ValueError(f"phase.final_lr_fraction={frac!r} must be a number in [0, 1)")
+        if frac and self.schedule != "composer_linear":
+            raise ValueError(f"phase.final_lr_fraction={frac!r} is a composer_linear setting; phase.schedule is "
+                             f"{self.schedule!r}")
+        hours = self.budget_hours
+        if self.schedule == "time_linear":
+            if isinstance(hours, bool) or not isinstance(hours, int | float) or not 0 < hours < float("inf"):
+                raise ValueError(f"phase.budget_hours={hours!r}: phase.schedule='time_linear' needs a positive "
+                                 f"number of hours")
+            if self.schedule_steps is not None:
+                raise ValueError(f"phase.schedule_steps={self.schedule_steps}: a time_linear schedule is measured "
+                                 f"in hours (phase.budget_hours), not steps")
+        elif hours is not None:
+            raise ValueError(f"phase.budget_hours={hours!r} is a time_linear setting; phase.schedule is "
+                             f"{self.schedule!r}")
 
 
 @dataclass
@@ -318,7 +361,8 @@ _RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointin
 # scales its restored schedule to the new peak and logs a warning (bert_ds.runtime.trainer._restore).
 _PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy", "lr"}
 # Phase fields added after checkpoints were first written: a saved recipe without them used these values.
-_PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8, "schedule_steps": None}
+_PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8, "schedule_steps": None,
+                         "schedule": "warmup_poly", "final_lr_fraction": 0.0, "budget_hours": None}
 # Optimizer fields added later: recipes saved before ``trust_ratio`` existed applied the trust ratio to every tensor.
 _OPTIMIZER_ADDED_DEFAULTS = {"trust_ratio": "all"}
 

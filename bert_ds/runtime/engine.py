@@ -2,13 +2,15 @@
 
 ``build_engine`` takes a recipe and a phase and returns a ready DeepSpeed engine whose client optimizer is
 :class:`bert_ds.optim.ZeroAwareLamb` (or AdamW) bound to ZeRO's partition layout, with the phase's warm-up +
-polynomial-decay schedule. The DeepSpeed config dict is generated here from the phase's batch sizes; nothing else in
+decay schedule. The DeepSpeed config dict is generated here from the phase's batch sizes; nothing else in
 the package writes one.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import deepspeed
@@ -18,11 +20,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from bert_ds.config import BertConfig
 from bert_ds.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings
 from bert_ds.model import BertForPreTraining
-from bert_ds.optim import GlobalNormClip, bind_optimizer, build_optimizer, warmup_poly_decay
+from bert_ds.optim import GlobalNormClip, TimeBudget, bind_optimizer, build_optimizer, lr_lambda
 from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
 
 __all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
-           "own_stage0_clip", "resolve_precision"]
+           "own_stage0_clip", "phase_scheduler", "resolve_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ class TrainEngine:
     accumulation: int
     clip: GlobalNormClip | None = None
     """Stage 0 fp32 only: the clip bert_ds runs instead of DeepSpeed's; it keeps the norm DeepSpeed does not."""
+    time_budget: TimeBudget | None = None
+    """``schedule: time_linear`` only: the phase's training time against ``budget_hours`` (the schedule reads it)."""
 
     @property
     def device(self) -> torch.device:
@@ -152,8 +156,21 @@ class TrainEngine:
         return None if norm is None else float(norm)
 
 
-def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, world_size: int) -> TrainEngine:
-    """Wrap ``model`` in a DeepSpeed engine for ``recipe.phases[phase_index]`` with a fresh optimizer and schedule."""
+def phase_scheduler(optimizer: torch.optim.Optimizer, phase: PhaseConfig,
+                    clock: Callable[[], float] = time.monotonic) -> tuple[LambdaLR, TimeBudget | None]:
+    """The phase's lr schedule on ``optimizer`` (stepped once per optimizer step), and its time budget when the
+    schedule is ``time_linear`` (None otherwise)."""
+    schedule_steps = phase.schedule_steps or phase.steps  # a schedule longer than the phase: the paper's recipe
+    budget = TimeBudget(phase.budget_hours, clock) if phase.schedule == "time_linear" else None
+    factor = lr_lambda(phase.schedule, schedule_steps, phase.warmup_fraction, phase.decay_power,
+                       phase.final_lr_fraction, budget)
+    return LambdaLR(optimizer, factor), budget
+
+
+def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, world_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> TrainEngine:
+    """Wrap ``model`` in a DeepSpeed engine for ``recipe.phases[phase_index]`` with a fresh optimizer and schedule;
+    ``clock`` (seconds) measures a ``time_linear`` phase's training time."""
     from deepspeed.accelerator import get_accelerator
 
     check_deepspeed_version()
@@ -171,8 +188,7 @@ def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, wo
             lamb_kw["min_trust"], lamb_kw["max_trust"] = opt.trust_clamp
     optimizer = build_optimizer(opt.name, model, phase.lr, weight_decay=opt.weight_decay, betas=opt.betas,
                                 eps=opt.eps, zero_stage=recipe.deepspeed.zero_stage, **lamb_kw)
-    schedule_steps = phase.schedule_steps or phase.steps  # a schedule longer than the phase: the paper's recipe
-    scheduler = LambdaLR(optimizer, warmup_poly_decay(schedule_steps, phase.warmup_fraction, phase.decay_power))
+    scheduler, budget = phase_scheduler(optimizer, phase, clock)
     clip = None
     if own_stage0_clip(recipe.deepspeed.zero_stage, precision):
         clip = GlobalNormClip(recipe.deepspeed.gradient_clipping).attach(optimizer)
@@ -180,4 +196,4 @@ def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, wo
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     bind_optimizer(engine)
     return TrainEngine(engine=engine, scheduler=scheduler, ds_config=ds_config, precision=precision,
-                       accumulation=ds_config["gradient_accumulation_steps"], clip=clip)
+                       accumulation=ds_config["gradient_accumulation_steps"], clip=clip, time_budget=budget)

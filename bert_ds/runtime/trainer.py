@@ -25,7 +25,7 @@ from bert_ds.deepspeed_internals import loss_scale
 from bert_ds.errors import BertDsError
 from bert_ds.exit_codes import ExitCode
 from bert_ds.model.unpad import host_counts
-from bert_ds.optim.schedule import rescale_peak
+from bert_ds.optim.schedule import apply_elapsed, rescale_peak
 from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint
 from bert_ds.runtime.stall import NoWatchdog, StallWatchdog
@@ -37,9 +37,10 @@ EXIT_PREEMPTED = ExitCode.PREEMPTED
 log = logging.getLogger("bert_ds.runtime.pretrain")
 
 # Per-rank quantities a step sums over its micro batches; one all-reduce sums them over ranks. The flags are summed
-# too, so every rank sees whether *any* rank was signalled or holds non-finite weights, and decides the same.
+# too, so every rank sees whether *any* rank was signalled or holds non-finite weights, and decides the same. Only
+# rank 0 adds its training-time reading (time_linear phases), so the sum is rank 0's clock on every rank.
 _SUMMED = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_total", "nsp_correct", "nsp_total",
-           "preempt_requested", "nonfinite_weights")
+           "preempt_requested", "nonfinite_weights", "elapsed_s")
 
 
 class NonFiniteLossError(BertDsError, RuntimeError):
@@ -100,6 +101,8 @@ class StepRecord:
     """False when the fp16 loss scaler skipped the update."""
     weights_finite: bool
     preempt_requested: bool
+    elapsed_s: float | None = None
+    """``time_linear`` phases: rank 0's training time at the end of this step, the same on every rank."""
 
     @property
     def update_finite(self) -> bool:
@@ -165,6 +168,9 @@ def train_step(te, it: Iterator[dict], nsp: bool, preemption: Preemption, dropou
     # overflowed. One pass over the parameters, reduced with the rest: no extra host sync.
     finite = torch.stack([q.detach().isfinite().all() for q in engine.module.parameters()]).all()
     totals[_SUMMED.index("nonfinite_weights")] = (~finite).double()
+    budget = te.time_budget
+    if budget is not None and dropout.rank == 0:
+        totals[_SUMMED.index("elapsed_s")] = budget.read()
     dist.all_reduce(totals)
     s = dict(zip(_SUMMED, totals.tolist(), strict=True))
     n_micro = te.accumulation * dropout.world_size
@@ -174,7 +180,8 @@ def train_step(te, it: Iterator[dict], nsp: bool, preemption: Preemption, dropou
                       nsp_accuracy=s["nsp_correct"] / max(s["nsp_total"], 1.0) if nsp else None,
                       grad_norm=te.grad_norm(), lr=lr, step_time=time.perf_counter() - t0,
                       applied=engine.was_step_applied(), weights_finite=s["nonfinite_weights"] == 0,
-                      preempt_requested=s["preempt_requested"] > 0)
+                      preempt_requested=s["preempt_requested"] > 0,
+                      elapsed_s=s["elapsed_s"] if budget is not None else None)
 
 
 class NonFiniteGuard:
@@ -294,6 +301,10 @@ def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
     saved = restored.run_state
     ph.loader.load_state_dict(saved["loader"])
     ph.consumed = saved["consumed_samples"]
+    budget = ph.te.time_budget
+    if budget is not None:  # the training time spent before the checkpoint counts against the budget
+        budget.load_state_dict(saved["time_budget"])
+        apply_elapsed(ph.te.scheduler, budget, budget.agreed_s)
     _apply_changed_lr(plan, ph, saved, tag)
     if not restored.rng_restored:  # another rank count: dropout does not need per-rank streams (DropoutKey)
         seed_everything(plan.recipe.seed + 1000 * p + 7919 * start.step + plan.rank)
@@ -321,6 +332,8 @@ def _save(plan: RunPlan, ph: _Phase, metrics, done: bool) -> None:
              "loader": ph.loader.state_dict(), "world_size": plan.world_size,
              "zero_stage": recipe.deepspeed.zero_stage, "precision": ph.te.precision,
              "vocab_sha256": plan.vocab_sha256, "lowercase": plan.lowercase}  # the converter checks tokenizer/
+    if ph.te.time_budget is not None:
+        state["time_budget"] = ph.te.time_budget.state_dict()
     tag = ckpt.tag_for(ph.index, ph.step)
     ph.watch.begin(f"phase {ph.index + 1} step {ph.step}: checkpoint save {tag}", slow=True)
     ckpt.save_checkpoint(ph.te.engine, plan.run_dir, tag, state, recipe.logging.keep_last_k)
@@ -364,6 +377,18 @@ def _evaluate_and_maybe_stop(plan: RunPlan, ph: _Phase, metrics, done: bool) -> 
         print(f"phase {ph.index + 1}: eval mlm_accuracy {accuracy:.4f} >= target {target} at step {ph.step}; "
               f"ending the phase", flush=True)
     return True
+
+
+def _budget_spent(plan: RunPlan, ph: _Phase, rec: StepRecord) -> bool:
+    """``time_linear`` phases: the next step's lr from the agreed training time; whether the budget is spent."""
+    budget = ph.te.time_budget
+    if budget is None:
+        return False
+    apply_elapsed(ph.te.scheduler, budget, rec.elapsed_s)
+    if budget.exhausted and plan.rank == 0:
+        print(f"phase {ph.index + 1}: training time {budget.agreed_s / 3600:.3f} h reached "
+              f"phases[{ph.index}].budget_hours={budget.budget_hours} at step {ph.step}; ending the phase", flush=True)
+    return budget.exhausted
 
 
 def _max_steps_reached(plan: RunPlan, ph: _Phase) -> bool:
@@ -450,7 +475,7 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
         guard.check(rec, ph.step, ph.last_good, str(plan.ckpt_dir))
         raise_if_worker_died()  # ... and here, one that died during this step's compute (the step is not saved)
         _log_step(plan, ph, rec, metrics)
-        done = _evaluate_and_maybe_stop(plan, ph, metrics, ph.step >= phase.steps)
+        done = _evaluate_and_maybe_stop(plan, ph, metrics, ph.step >= phase.steps or _budget_spent(plan, ph, rec))
         code = _checkpoint_and_stop(plan, ph, rec, metrics, done)
         if code is not None:
             return PhaseOutcome(exit_code=code, last_tag=ph.last_good)
