@@ -24,21 +24,90 @@ def test_power_one_is_linear_and_no_warmup():
     assert [round(f(s), 6) for s in range(10)] == [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0]
 
 
-def test_nvidia_compatible_decay():
-    """The default power (and the recipe's default ``decay_power``) with ``decay_from_start`` follows NVIDIA's
-    ``PolyWarmUpScheduler(degree=0.5)`` after warm-up: base_lr * (1 - n / T) ** 0.5 for the n-th update, written out
-    here with its own literal degree (a drop at the warmup end)."""
-    from bert_ds.recipe import PhaseConfig
+def test_nvidia_poly_key_steps():
+    """``nvidia_poly`` at hand-computed points: warm-up ``x / f`` while ``x = n / S < f`` (not over ``int(f * S)``
+    steps), then ``(1 - x) ** p`` from the phase start, 0 at the last update."""
+    from bert_ds.optim.schedule import nvidia_poly_warmup
 
-    total, fraction = 7038, 0.2843
-    warmup = int(fraction * total)
-    for f in (warmup_poly_decay(total_steps=total, warmup_fraction=fraction, decay_from_start=True),
-              warmup_poly_decay(total, fraction, PhaseConfig.__dataclass_fields__["decay_power"].default,
-                                decay_from_start=True)):
-        assert f(warmup - 1) == pytest.approx(1.0)
-        decay = [f(step) for step in range(warmup, total - 1)]
-        nvidia = [(1.0 - (step + 1) / total) ** 0.5 for step in range(warmup, total - 1)]
-        assert decay == pytest.approx(nvidia, rel=1e-12)
+    f = nvidia_poly_warmup(total_steps=100, warmup_fraction=0.105, power=0.5)
+    assert f(0) == pytest.approx(0.01 / 0.105)  # update 1
+    assert f(9) == pytest.approx(0.10 / 0.105)  # update 10: x = 0.10 < 0.105, still warming up
+    assert f(10) == pytest.approx(0.89 ** 0.5)  # update 11: x = 0.11, the drop from ~0.95 to 0.943
+    assert f(49) == pytest.approx(0.5 ** 0.5)
+    assert f(99) == 0.0 and f(150) == 0.0
+    assert warmup_poly_decay(100, 0.105, 0.5)(10) == pytest.approx((89 / 90) ** 0.5)  # the formula it replaces
+
+
+def test_composer_linear_key_steps():
+    from bert_ds.optim.schedule import composer_linear_warmup
+
+    f = composer_linear_warmup(total_steps=100, warmup_fraction=0.1, final_fraction=0.02)
+    assert f(0) == 0.0 and f(5) == pytest.approx(0.5)  # steps done, not the update's number: the first lr is 0
+    assert f(10) == 1.0 and f(55) == pytest.approx(1 - 0.98 * 0.5) and f(100) == pytest.approx(0.02)
+    assert f(1000) == pytest.approx(0.02)  # the floor holds past the end
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 50.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_time_budget_on_a_fake_clock():
+    """A 2-hour budget with 10% warm-up: the lr follows the agreed hours, whatever the step count; the budget is
+    spent at 2 h; the state round-trips and the clock of the next process counts on from it."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from bert_ds.optim.schedule import TimeBudget, apply_elapsed, time_linear_warmup
+
+    clock = _Clock()
+    budget = TimeBudget(2.0, clock)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = LambdaLR(opt, time_linear_warmup(budget, 0.1))
+    assert opt.param_groups[0]["lr"] == 0.0  # no time trained yet
+    clock.t += 0.1 * 3600  # 0.1 h: half the warm-up
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0  # the scheduler alone does not read the clock ...
+    apply_elapsed(sched, budget, budget.read())  # ... the agreed reading sets the next lr
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4) and sched.get_last_lr() == [opt.param_groups[0]["lr"]]
+    clock.t += 1.0 * 3600  # 1.1 h: half-way down the decay
+    apply_elapsed(sched, budget, budget.read())
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.9 / 1.8) and not budget.exhausted
+    state = budget.state_dict()
+    later = _Clock()
+    later.t = 9e9
+    resumed = TimeBudget(2.0, later)  # the next process: a new budget and a new schedule reading it
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = LambdaLR(opt, time_linear_warmup(resumed, 0.1))
+    resumed.load_state_dict(state)
+    assert resumed.read() == pytest.approx(1.1 * 3600) and resumed.agreed_s == pytest.approx(1.1 * 3600)
+    apply_elapsed(sched, resumed, resumed.agreed_s)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.9 / 1.8)
+    later.t += 0.9 * 3600
+    apply_elapsed(sched, resumed, resumed.read())
+    assert resumed.exhausted and opt.param_groups[0]["lr"] == 0.0
+
+
+@pytest.mark.parametrize("hours", [0, -1.0, True, "24", float("nan")])
+def test_time_budget_refuses_bad_hours(hours):
+    from bert_ds.optim.schedule import TimeBudget
+
+    with pytest.raises(ValueError, match="budget_hours"):
+        TimeBudget(hours)
+
+
+def test_schedule_names_agree_with_the_recipe():
+    from bert_ds.optim.schedule import SCHEDULES, lr_lambda
+    from bert_ds.recipe import _SCHEDULES
+
+    assert SCHEDULES == _SCHEDULES
+    with pytest.raises(ValueError, match="needs a TimeBudget"):
+        lr_lambda("time_linear", 10, 0.1, 1.0)
+    with pytest.raises(ValueError, match="choose one of"):
+        lr_lambda("cosine", 10, 0.1, 1.0)
 
 
 def test_lambda_lr_drives_optimizer_lr():
