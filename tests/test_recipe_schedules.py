@@ -246,3 +246,20 @@ def test_paper_recipe_is_googles_schedule_within_its_declared_deviation():
     assert ours[:9_999] == pytest.approx(google[1:10_000], rel=1e-12)  # warm-up: one update ahead
     gaps = [ours[t] - google[t] for t in range(9_999, len(ours))]  # from update 10,000 (ours: the peak)
     assert 0.0 <= max(gaps) <= 0.01 * 1e-4 * (1 + 1e-9) and min(gaps) > -1e-10 * 1.01
+
+
+def test_the_recipes_doc_names_every_schedule_and_deviation():
+    """docs/recipes.md's recipe table gives each GPU recipe the schedule its file names, and its deviation table has a
+    row for every GPU recipe (each differs from its source somewhere)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    listed = dict(re.findall(r"^\| `(\w+)` \| \w+ \| \w+ \| `(\w+)` \|", text, flags=re.M))
+    expected = {name: load_recipe(CONFIGS / f"{name}.json").phases[0].schedule for name in SOURCE_TESTED}
+    assert listed == expected
+    for name in SOURCE_TESTED:
+        assert {p.schedule for p in load_recipe(CONFIGS / f"{name}.json").phases} == {expected[name]}
+    deviations = text[text.index("## Deviations from the sources"):]
+    first_cells = re.findall(r"^\| ([^|]+) \|", deviations, flags=re.M)
+    named = {n for cell in first_cells for n in re.findall(r"`(\w+)`", cell)}
+    assert SOURCE_TESTED <= named, SOURCE_TESTED - named

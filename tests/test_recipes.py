@@ -107,6 +107,9 @@ def test_typo_key_names_key_and_file(tmp_path, where, key):
     ("phase", "schedule_steps", 10),  # shorter than the phase's 60 steps
     ("deepspeed", "process_group_timeout_s", 0),
     ("deepspeed", "process_group_timeout_s", "600"),
+    ("phase", "schedule", "cosine"),
+    ("phase", "final_lr_fraction", 0.02),  # a composer_linear setting; tiny_cpu is warmup_poly
+    ("phase", "budget_hours", 24.0),  # a time_linear setting
 ])
 def test_bad_value_names_field(tmp_path, section, field, value):
     data = _tiny()
@@ -116,6 +119,41 @@ def test_bad_value_names_field(tmp_path, section, field, value):
         data[section][field] = value
     with pytest.raises(ValueError, match=field):
         load_recipe(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"schedule": "time_linear", "budget_hours": 1.0}, "decay_power"),  # tiny_cpu's 0.5: the linear schedules need 1
+    ({"schedule": "time_linear", "decay_power": 1.0}, "budget_hours"),  # required
+    ({"schedule": "time_linear", "decay_power": 1.0, "budget_hours": "24"}, "budget_hours"),
+    ({"schedule": "time_linear", "decay_power": 1.0, "budget_hours": 0}, "budget_hours"),
+    ({"schedule": "time_linear", "decay_power": 1.0, "budget_hours": 1.0, "schedule_steps": 100}, "schedule_steps"),
+    ({"schedule": "composer_linear", "decay_power": 1.0, "final_lr_fraction": 1.0}, "final_lr_fraction"),
+    ({"schedule": "composer_linear"}, "decay_power"),
+])
+def test_bad_schedule_combination_names_field(tmp_path, fields, named):
+    data = _tiny()
+    data["phases"][1].update(fields)
+    with pytest.raises(ValueError, match=rf"{named}=") as err:
+        load_recipe(_write(tmp_path, data))
+    assert str(err.value).count("\n") == 0
+
+
+def test_a_changed_schedule_blocks_resume():
+    """A checkpoint written before ``schedule`` existed ran ``warmup_poly``: resuming it with an NVIDIA recipe's
+    ``nvidia_poly`` would change the lr, so it is refused by name; the same schedule resumes."""
+    old = json.loads((CONFIGS[0].parent / "bert_large.json").read_text())
+    for phase in old["phases"]:
+        del phase["schedule"]
+    saved = Recipe.from_dict(old).to_dict()
+    for phase in saved["phases"]:
+        del phase["schedule"], phase["final_lr_fraction"], phase["budget_hours"]
+    current = load_recipe(CONFIGS[0].parent / "bert_large.json")
+    assert resume_blockers(saved, current) == ["phases[0].schedule", "phases[1].schedule"]
+    assert resume_blockers(saved, Recipe.from_dict(old)) == []
+    budget = load_recipe(CONFIGS[0].parent / "bert_large_24h.json")
+    saved = budget.to_dict()
+    saved["phases"][0]["budget_hours"] = 12.0
+    assert resume_blockers(saved, budget) == ["phases[0].budget_hours"]
 
 
 def test_inconsistent_batch_for_world_size():

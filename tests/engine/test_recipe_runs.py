@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.optim import warmup_poly_decay
+from bert_ds.optim import TimeBudget, lr_lambda
 from bert_ds.recipe import load_recipe
 from tests.helpers.runs import REPO, run_pretrain, tensorboard_scalars
 
@@ -39,7 +39,7 @@ def smoke_variant(path: Path) -> dict:
 
 def test_every_gpu_recipe_is_covered():
     names = {p.stem for p in GPU_RECIPES}
-    assert {"bert_base", "bert_large", "bert_base_paper", "bert_base_paper_modern", "bert_base_8gpu",
+    assert {"bert_base", "bert_large", "bert_base_paper", "bert_base_mosaic", "bert_base_8gpu",
             "bert_large_24h"} <= names, names
 
 
@@ -60,7 +60,9 @@ def test_recipe_runs_on_two_cpu_ranks(path, synthetic_data, tmp_path):
     losses = scalars["train/loss"]
     assert len(losses) == SMOKE_STEPS * last and all(math.isfinite(v) for v in losses.values())
     for i, phase in enumerate(recipe.phases):
-        factor = warmup_poly_decay(phase.schedule_steps or phase.steps, phase.warmup_fraction, phase.decay_power)
+        budget = TimeBudget(phase.budget_hours) if phase.schedule == "time_linear" else None  # 0 h trained: lr 0
+        factor = lr_lambda(phase.schedule, phase.schedule_steps or phase.steps, phase.warmup_fraction,
+                           phase.decay_power, phase.final_lr_fraction, budget)
         first = i * SMOKE_STEPS + 1
         expected = phase.lr * factor(0)
         assert scalars["train/lr"][first] == pytest.approx(expected, rel=1e-6), (path.stem, i)  # float32 in the log
