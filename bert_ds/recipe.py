@@ -105,7 +105,7 @@ class PhaseConfig:
     budget_hours: float | None = None
     """``time_linear`` only (and required there): the training-time budget in hours. Warm-up takes the first
     ``warmup_fraction`` of it, the lr reaches 0 at its end and the phase stops there; the elapsed time is saved in
-    each checkpoint and continues on resume."""
+    each checkpoint and continues on resume. Such a phase must be the recipe's last."""
     schedule_steps: int | None = None
     """Length of the warm-up + decay schedule when it is longer than the phase (``None``: ``steps``). Warm-up is
     ``warmup_fraction * schedule_steps`` and the lr would reach 0 at ``schedule_steps``; the phase stops at ``steps``.
@@ -284,6 +284,9 @@ class Recipe:
         for i, phase in enumerate(self.phases):
             if phase.seq_len > config.max_position_embeddings:
                 raise ValueError(f"phases[{i}].seq_len={phase.seq_len} exceeds max_position_embeddings")
+            if phase.schedule == "time_linear" and i != len(self.phases) - 1:
+                raise ValueError(f"phases[{i}].schedule='time_linear' must be the last phase: it ends by time, so its "
+                                 f"steps are only a cap and the next phase's step numbers would count from it")
 
     def model_config(self, vocab_size: int) -> BertConfig:
         overrides = {**self.model_overrides, "vocab_size": vocab_size}

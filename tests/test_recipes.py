@@ -138,6 +138,16 @@ def test_bad_schedule_combination_names_field(tmp_path, fields, named):
     assert str(err.value).count("\n") == 0
 
 
+def test_a_time_budget_phase_must_be_the_last(tmp_path):
+    data = _tiny()
+    data["phases"][0].update(schedule="time_linear", decay_power=1.0, budget_hours=1.0)
+    with pytest.raises(ValueError, match=r"phases\[0\].schedule='time_linear' must be the last phase"):
+        load_recipe(_write(tmp_path, data))
+    data["phases"][0].update(schedule="warmup_poly", decay_power=0.5, budget_hours=None)
+    data["phases"][1].update(schedule="time_linear", decay_power=1.0, budget_hours=1.0)
+    assert load_recipe(_write(tmp_path, data)).phases[1].budget_hours == 1.0
+
+
 def test_a_changed_schedule_blocks_resume():
     """A checkpoint written before ``schedule`` existed ran ``warmup_poly``: resuming it with an NVIDIA recipe's
     ``nvidia_poly`` would change the lr, so it is refused by name; the same schedule resumes."""
