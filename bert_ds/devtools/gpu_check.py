@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -45,6 +44,17 @@ import torch
 
 import bert_ds.kernels as kernels
 from bert_ds.config import BertConfig, model_preset
+from bert_ds.devtools.gpu_rules import (
+    RULES,
+    SPEED_FLOOR,
+    TRAIN_FLOORS,
+    golden_rule,
+    keep_rate_rule,
+    mask_rule,
+    reference_keep_mask,
+    speed_rule,
+    twin_rule,
+)
 from bert_ds.errors import run_main
 from bert_ds.runtime.metrics import peak_tflops_for, training_flops_per_sequence
 
@@ -84,15 +94,8 @@ def _run(name: str, fn: Callable[[], tuple[bool, dict] | dict]) -> Item:
 
 # ---------------------------------------------------------------------------------------------- kernels vs twins
 
-# The reference is the twin in fp32 on the same (upcast) inputs. fp32 must match it elementwise as tests/kernels
-# require. bf16 is judged by a rule in units of bf16's machine epsilon (2^-7), per tensor, so it depends neither on
-# which elements happen to be extremes nor on the machine: normwise error ||got - ref|| / ||ref|| and the largest
-# element's error over max |ref|. The kernel's error is its output rounding plus the bf16 rounding of P and dS before
-# the matmuls (as in FlashAttention), each a fraction of eps of the tensor's scale: measured at most 0.9 eps normwise
-# and 1.35 eps at the largest element on every bf16 case of tests/kernels; a wrong softmax scale or mask lands at
-# 65-127 eps. The same rule as tests/helpers/kernels.py.
-TOLERANCE = {torch.float32: (1e-4, 1e-4)}
-BF16_NORM_EPS, BF16_PEAK_EPS = 10.0, 16.0
+# The reference is the twin in fp32 on the same (upcast) inputs; the pass rule is gpu_rules.twin_rule (fp32
+# elementwise as tests/kernels; bf16 in units of its eps, as tests/helpers/kernels.py).
 
 @dataclass(frozen=True)
 class _Case:
@@ -177,11 +180,24 @@ def _grads(run: Callable, backend: str, inputs: list, grad_out: torch.Tensor):
     return out.detach(), [t.grad for t in leaves if t.requires_grad]
 
 
+def _selected(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if rows is not None and got.shape == rows.shape:
+        return got[rows], ref[rows]
+    return got, ref
+
+
 def _max_error(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     got, ref = got.float(), ref.float()
     if rows is not None and got.shape == rows.shape:
         got, ref = got[rows], ref[rows]
     return (got - ref).abs(), ref
+
+
+def _kernel_dtypes(op: str, device: torch.device) -> tuple[torch.dtype, ...]:
+    """fp32 and bf16, except attention on CUDA: its Triton kernels refuse fp32 there (registry)."""
+    if device.type == "cuda" and "attention" in op:
+        return (torch.bfloat16,)
+    return torch.float32, torch.bfloat16
 
 
 def check_kernels(device: torch.device, small: bool = False, ops: tuple[str, ...] = tuple(_KERNEL_SHAPES),
@@ -191,13 +207,11 @@ def check_kernels(device: torch.device, small: bool = False, ops: tuple[str, ...
     items = []
     for op in ops:
         make, full, tiny = _KERNEL_SHAPES[op]
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in _kernel_dtypes(op, device):
             def check(make=make, dtype=dtype, shapes=tiny if small else full):
                 gen = torch.Generator().manual_seed(0)
                 fp32 = dtype == torch.float32
-                ok, details = True, {"device": str(device), "tolerance": (
-                    {"atol, rtol": list(TOLERANCE[dtype])} if fp32 else
-                    {"normwise eps": BF16_NORM_EPS, "largest element eps": BF16_PEAK_EPS})}
+                ok, details = True, {"device": str(device), "rule": RULES["kernels.<op>.<dtype>"]}
                 for case in make(shapes, dtype, device, gen):
                     runs = {"triton": _grads(case.run, "triton", case.inputs, case.grad_out),
                             "reference": _grads(case.run, "torch", [t.float() if t.is_floating_point() else t
@@ -210,21 +224,14 @@ def check_kernels(device: torch.device, small: bool = False, ops: tuple[str, ...
                     for i, name in enumerate(names):
                         # Padded query rows of attention hold anything finite: outputs compare on real rows only.
                         rows = case.rows if name == "out" else None
-                        got = flat["triton"][i]
-                        err, ref = _max_error(got, flat["reference"][i], rows)
-                        if fp32:
-                            atol, rtol = TOLERANCE[dtype]
-                            good = bool((err <= atol + rtol * ref.abs()).all())
-                        else:
-                            eps = torch.finfo(dtype).eps
-                            norm = float(err.double().norm() / ref.double().norm().clamp_min(1e-300)) / eps
-                            peak = float(err.max().double() / ref.double().abs().max().clamp_min(1e-300)) / eps
-                            row["error_in_eps"][name] = [round(norm, 3), round(peak, 3)]
-                            good = norm <= BF16_NORM_EPS and peak <= BF16_PEAK_EPS
+                        got, ref = _selected(flat["triton"][i], flat["reference"][i], rows)
+                        good, verdict = twin_rule(got, ref, dtype)
+                        row["max_abs_error"][name] = verdict["max_abs_error"]
+                        if not fp32:
+                            row["error_in_eps"][name] = verdict["error_in_eps"]
                             row["twin_max_abs_error"][name] = float(
                                 _max_error(flat["twin"][i], flat["reference"][i], rows)[0].max())
-                        row["max_abs_error"][name] = float(err.max())
-                        ok = ok and good and got.dtype == dtype and bool(torch.isfinite(got).all())
+                        ok = ok and good
                     for key in ("twin_max_abs_error", "error_in_eps"):
                         if not row[key]:
                             del row[key]
@@ -237,6 +244,61 @@ def check_kernels(device: torch.device, small: bool = False, ops: tuple[str, ...
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+# ---------------------------------------------------------------------------------------------- dropout masks
+
+
+def _kernel_masks(kind: str, p: float, lengths: list[int], heads: int, device, dtype) -> tuple[list, tuple]:
+    """The keep-mask each sequence got inside the ``kind`` ("padded"/"varlen") Triton attention, read out of its
+    output: q = k = 0 makes the attention uniform (1/L), v = identity makes the output the dropped attention matrix,
+    so out > 0 exactly where a pair was kept. Returns per-sequence (nh, L, L) masks and the Philox key drawn."""
+    from bert_ds.kernels.dropout import draw_dropout_seed
+
+    seq = max(lengths)
+    head_dim = 128 if seq > 64 else (64 if seq > 32 else 32)
+    eye = torch.eye(seq, head_dim, dtype=dtype, device=device)
+    torch.manual_seed(1234)
+    seed = draw_dropout_seed()
+    torch.manual_seed(1234)  # the kernel call draws the same key
+    if kind == "padded":
+        zeros = torch.zeros(len(lengths), heads, seq, head_dim, dtype=dtype, device=device)
+        mask = torch.arange(seq, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+        out = kernels.attention(zeros, zeros, eye.expand_as(zeros), mask, p, backend="triton")
+        return [out[b, :, :n, :n] > 0 for b, n in enumerate(lengths)], seed
+    packed = torch.cat([eye[:n, None, :].expand(n, heads, head_dim) for n in lengths])  # (T, nh, hd)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    out = kernels.varlen_attention(torch.zeros_like(packed), torch.zeros_like(packed), packed, cu, seq, p,
+                                   backend="triton")
+    return [rows.transpose(0, 1)[:, :, :n] > 0 for rows, n in zip(out.split(lengths), lengths, strict=True)], seed
+
+
+def check_dropout_masks(device: torch.device, small: bool = False, prefix: str = "dropout",
+                        reference=reference_keep_mask) -> list[Item]:
+    """Both Triton attentions' masks against the CPU Philox reference bit for bit, and their keep rates, at p = 0.1
+    (the recipes) and 0.5; ``reference`` is replaceable so that a wrong reference can be shown to fail the rule."""
+    lengths, heads = ([32, 19], 2) if small else ([128, 77, 128], 8)
+    dtype = torch.float32 if small else torch.bfloat16
+    items = []
+    for kind in ("padded", "varlen"):
+        for p in (0.1, 0.5):
+            def check(kind=kind, p=p):
+                masks, seed = _kernel_masks(kind, p, lengths, heads, device, dtype)
+                want = reference(seed, p, len(lengths), heads, max(lengths))
+                got = torch.zeros_like(want)
+                for b, (m, n) in enumerate(zip(masks, lengths, strict=True)):
+                    got[b, :, :n, :n] = m.cpu()
+                real = torch.cat([m.reshape(-1).cpu() for m in masks])
+                same, bits = mask_rule(torch.cat([got[b, :, :n, :n].reshape(-1) for b, n in enumerate(lengths)]),
+                                       torch.cat([want[b, :, :n, :n].reshape(-1) for b, n in enumerate(lengths)]))
+                rate_ok, rate = keep_rate_rule(real, p)
+                details = {"rule": RULES["dropout.<padded|varlen>.p<p>"], "bits": bits, "keep": rate}
+                if not (same and rate_ok):
+                    details["reason"] = bits.get("reason") or rate.get("reason")
+                return same and rate_ok, details
+
+            items.append(_run(f"{prefix}.{kind}.p{p}", check))
+    return items
 
 
 # ---------------------------------------------------------------------------------------------- kernel speed
@@ -274,7 +336,7 @@ def measure_kernel_speed(device: torch.device) -> list[Item]:
     }
     items = []
     for op, cases in benches.items():
-        def bench(cases=cases):
+        def bench(cases=cases, op=op):
             details = {}
             for case in cases:
                 row = {}
@@ -294,10 +356,29 @@ def measure_kernel_speed(device: torch.device) -> list[Item]:
                 row["speedup_fwd"] = round(row["torch"]["fwd_ms"] / row["triton"]["fwd_ms"], 3)
                 row["speedup_fwd_bwd"] = round(row["torch"]["fwd_bwd_ms"] / row["triton"]["fwd_bwd_ms"], 3)
                 details[case.label] = row
-            return details
+            return _auto_is_faster(op, details)
 
         items.append(_run(f"speed.{op}", bench))
     return items
+
+
+def _auto_is_faster(op: str, details: dict) -> tuple[bool, dict]:
+    """speed.<op>'s rule: in every case, the backend ``auto`` picks for bf16 (registry.AUTO_TRITON_ON_CUDA) is at
+    least SPEED_FLOOR as fast as the other, forward + backward."""
+    from bert_ds.kernels.registry import AUTO_TRITON_ON_CUDA
+
+    picks_triton = torch.bfloat16 in AUTO_TRITON_ON_CUDA[op]
+    ok, reasons = True, []
+    for label, row in details.items():
+        ratio = row["speedup_fwd_bwd"] if picks_triton else 1.0 / row["speedup_fwd_bwd"]
+        good, verdict = speed_rule(ratio, SPEED_FLOOR, f"{label}: auto's {'triton' if picks_triton else 'torch'}")
+        row["auto_rule"] = verdict
+        ok = ok and good
+        reasons += [verdict["reason"]] if not good else []
+    out = {"rule": RULES["speed.<op>"], "auto_picks": "triton" if picks_triton else "torch", **details}
+    if reasons:
+        out["reason"] = "; ".join(reasons)
+    return ok, out
 
 
 # ---------------------------------------------------------------------------------------------- training step
@@ -398,64 +479,130 @@ def measure_training(config: BertConfig, seq: int, batch: int, device: torch.dev
     return result
 
 
+def _transformers_training(config: BertConfig, seq: int, batch: int, device: torch.device, steps: int,
+                           warmup: int = 3) -> dict:
+    """transformers' BertForPreTraining (SDPA attention) in bf16 on the same synthetic batch: forward + backward
+    sequences/s, the baseline of train.large.*. MLM labels at the same masked positions."""
+    from transformers import BertConfig as HFConfig
+    from transformers import BertForPreTraining as HFBert
+
+    hf = HFConfig(**{k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                     "num_attention_heads", "intermediate_size",
+                                                     "hidden_dropout_prob", "attention_probs_dropout_prob",
+                                                     "max_position_embeddings", "layer_norm_eps")},
+                  attn_implementation="sdpa")
+    model = HFBert(hf).to(device=device, dtype=torch.bfloat16).train()
+    data = synthetic_batch(config, batch, seq, PREDICTIONS.get(seq, max(1, seq // 7)), device)
+    labels = torch.full_like(data["input_ids"], -100).scatter_(1, data["masked_lm_positions"], data["masked_lm_ids"])
+    times = []
+    for step in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=data["input_ids"], token_type_ids=data["token_type_ids"],
+                    attention_mask=data["attention_mask"], labels=labels,
+                    next_sentence_label=data["next_sentence_label"])
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    del model
+    return {"kernels": "transformers (sdpa)", "batch": batch, "seq": seq,
+            "seq_per_s": round(batch / statistics.median(times), 2)}
+
+
 def _train_on_gpu(config: BertConfig, seq: int, batch: int, device: torch.device, steps: int,
                   peak: float | None) -> tuple[bool, dict]:
-    """BERT at ``seq`` with each kernel backend: ``auto`` with the recipe's attention dropout (every Triton kernel,
-    the attention with its in-kernel dropout), and ``triton`` / ``torch`` with attention dropout 0 so that every
-    fused kernel runs against its twin on equal terms."""
-    no_attn_dropout = dataclasses.replace(config, attention_probs_dropout_prob=0.0)
+    """BERT-large at ``seq`` with the recipe's dropout: ``auto`` against the torch twins and transformers, measured
+    in the same run at the same batch (halved for all on out-of-memory). Rule: gpu_rules.TRAIN_FLOORS."""
     runs = {}
-    for backend, cfg in (("auto", config), ("triton", no_attn_dropout), ("torch", no_attn_dropout)):
-        b = batch
-        while True:
-            try:
-                torch.cuda.reset_peak_memory_stats(device)
-                runs[backend] = measure_training(cfg, seq, b, device, torch.bfloat16, backend, steps=steps,
+    while True:
+        try:
+            torch.cuda.reset_peak_memory_stats(device)
+            for backend in ("auto", "torch"):
+                runs[backend] = measure_training(config, seq, batch, device, torch.bfloat16, backend, steps=steps,
                                                  peak_tflops=peak)
-                break
-            except torch.cuda.OutOfMemoryError:
-                if b == 1:
-                    raise
-                b //= 2  # keep going at half the batch; the report says which batch ran
-            finally:
-                gc.collect()
-                torch.cuda.empty_cache()
-    ok = all(math.isfinite(x) for r in runs.values() for x in r["losses"])
-    return ok, {"peak_bf16_tflops": peak if peak else "unknown peak", **runs}
+            runs["transformers"] = _transformers_training(config, seq, batch, device, steps)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if batch == 1:
+                raise
+            batch //= 2  # every backend again at half the batch; the report says which batch ran
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+    ok, verdicts = True, {}
+    for name, key in (("torch twins", "torch"), ("transformers", "transformers")):
+        good, verdicts[name] = speed_rule(runs["auto"]["seq_per_s"] / runs[key]["seq_per_s"], TRAIN_FLOORS[name],
+                                          f"auto vs {name}")
+        ok = ok and good
+    details = {"rule": RULES["train.large.s<seq>"], "mfu_formula": "MFU = 3 x forward FLOPs per sequence "
+               "(bert_ds.runtime.metrics.training_flops_per_sequence) x sequences/s (forward + backward) / peak",
+               "peak_bf16_tflops": peak if peak else "unknown peak", "floors": verdicts, **runs}
+    reasons = [v["reason"] for v in verdicts.values() if "reason" in v]
+    if reasons:
+        details["reason"] = "; ".join(reasons)
+    return ok, details
 
 
-def _tiny_training_check() -> tuple[bool, dict]:
+def _tiny_training_check(triton_backend: str = "triton") -> tuple[bool, dict]:
     """The training-step code on the CPU with the tiny preset: Triton kernels (interpreted) and torch twins from
-    the same weights and batch, dropout off. Their losses must agree and the loss must fall over the steps."""
+    the same weights and batch, dropout off, judged by the golden rule with the fp32 twins as the reference (so the
+    bound is its 1e-3 floor); the loss must also fall."""
     # A 4,000-token vocabulary (as the tests' tokenizer): the step path is the point, not the embedding size.
     base = model_preset("tiny", vocab_size=4000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a thread pool only adds overhead (9 ms vs 770 ms a step, busy 2 cores)
     try:
         runs = {b: measure_training(base, 32, 4, torch.device("cpu"), torch.float32, b, steps=3, warmup=1, lr=1e-2)
-                for b in ("triton", "torch")}
+                for b in (triton_backend, "torch")}
     finally:
         torch.set_num_threads(threads)
-    tri, ref = runs["triton"]["losses"], runs["torch"]["losses"]
-    agree = all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(tri, ref, strict=True))
+    tri, ref = runs[triton_backend]["losses"], runs["torch"]["losses"]
+    agree, golden = golden_rule(tri, ref, ref)
     falls = tri[-1] < tri[0]
-    details = {"losses_agree (rtol 1e-3)": agree, "loss_falls": falls, **runs}
+    details = {"rule": RULES["golden.base.s128"], "golden": golden, "loss_falls": falls, **runs}
     if not (agree and falls):
-        details["reason"] = "Triton and torch losses differ" if not agree else "loss did not fall"
+        details["reason"] = golden.get("reason", "loss did not fall")
     return agree and falls, details
+
+
+def _golden_on_gpu(device: torch.device, steps: int = 8) -> tuple[bool, dict]:
+    """golden.base.s128: BERT-base at seq 128, batch 32, dropout off, the same seed and batch: Triton kernels (bf16)
+    and the torch twins (bf16) against the twins in fp32, step by step (gpu_rules.golden_rule)."""
+    config = model_preset("base", vocab_size=30522, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    runs = {name: measure_training(config, 128, 32, device, dtype, backend, steps=steps, warmup=0)
+            for name, backend, dtype in (("triton", "triton", torch.bfloat16), ("twins", "torch", torch.bfloat16),
+                                         ("fp32 reference", "torch", torch.float32))}
+    ok, golden = golden_rule(runs["triton"]["losses"], runs["twins"]["losses"], runs["fp32 reference"]["losses"])
+    return ok, {"rule": RULES["golden.base.s128"], **golden, **{k: v["losses"] for k, v in runs.items()}}
 
 
 # ---------------------------------------------------------------------------------------------- AOT and the JIT
 
 
+def _aot_builds(targets) -> list:
+    """The kernel report's builds (every shipped recipe's launches) for ``targets``; a clear error when the installed
+    Triton is not the one the AOT code is written against (its internals differ: e.g. triton 3.6 has no
+    ``knobs.compilation.fpsan_homomorphic_casts``)."""
+    from bert_ds.devtools.kernel_report import recipe_builds
+    from bert_ds.kernels.jit import triton_version_problem
+
+    problem = triton_version_problem()
+    if problem is not None:
+        raise RuntimeError(f"unsupported Triton version: {problem}")
+    return recipe_builds(targets)[0]
+
+
 def _aot_sass_check() -> tuple[bool, dict]:
     from bert_ds.kernels import aot
 
-    rows = aot.report()
-    details = {f"{r.kernel} [{r.config}] sm_{r.arch}": {
+    rows = [aot.analyse(b) for b in _aot_builds(aot.TARGETS)]
+    details = {"rule": RULES["aot.sass"], "summary": aot.format_summary(rows)}
+    details |= {f"{r.kernel} [{r.config}] sm_{r.arch}": {
         "reg": r.reg, "stack": r.stack, "local": r.local, "loads_by_bits": r.loads, "stores_by_bits": r.stores,
         "tensor_core_ops": r.tensor_core_ops, "shapes": list(r.shapes), "problems": list(r.problems)} for r in rows}
-    problems = [f"{k}: {p}" for k, v in details.items() for p in v["problems"]]
+    problems = [f"{k}: {p}" for k, v in details.items() if isinstance(v, dict) for p in v["problems"]]
     if problems:
         details["reason"] = "; ".join(problems)
     return not problems, details
@@ -492,9 +639,7 @@ def record_jit_compiles() -> Iterator[list[tuple]]:
 
 def jit_matches_aot(compiled: list[tuple], target) -> tuple[bool, dict]:
     """Every JIT compile of a kernel that has an AOT entry must be one of the AOT builds for ``target``."""
-    from bert_ds.kernels import aot
-
-    builds = aot.kernel_builds([target])
+    builds = _aot_builds([target])
     known = {_spec_key(b.kernel, b.spec.signature, b.spec.constexprs, b.spec.attrs, b.spec.options["num_warps"],
                        b.spec.options["num_stages"]): b for b in builds}
     covered = {b.kernel for b in builds}
@@ -552,16 +697,23 @@ def _child(section: str, interpret: bool, timeout: float = 900) -> list[Item]:
 
 
 _CHILD_SECTIONS: dict[str, Callable[[], list[Item]]] = {
-    "interpreter_kernels": lambda: check_kernels(torch.device("cpu"), small=True, prefix="interpreter.kernels"),
+    "interpreter_kernels": lambda: check_kernels(torch.device("cpu"), small=True, prefix="interpreter.kernels")
+    + check_dropout_masks(torch.device("cpu"), small=True, prefix="interpreter.dropout"),
     "interpreter_training": lambda: [_run("interpreter.train.tiny", _tiny_training_check)],
     "aot": lambda: [_run("aot.sass", _aot_sass_check)],
 }
 
 
-def _gpu_item_names() -> list[str]:
-    names = [f"kernels.{op}.{d}" for op in _KERNEL_SHAPES for d in ("fp32", "bf16")]
-    names += [f"speed.{op}" for op in _KERNEL_SHAPES]
-    return names + [f"train.large.s{seq}" for seq in DEFAULT_BATCH] + ["aot.matches_jit"]
+def gpu_checks() -> dict[str, str]:
+    """Every check a GPU run makes, by name, with its pass rule (gpu_rules.RULES)."""
+    checks = {f"dropout.{kind}.p{p}": RULES["dropout.<padded|varlen>.p<p>"] for kind in ("padded", "varlen")
+              for p in (0.1, 0.5)}
+    checks |= {f"kernels.{op}.{_dtype_name(d)}": RULES["kernels.<op>.<dtype>"] for op in _KERNEL_SHAPES
+               for d in _kernel_dtypes(op, torch.device("cuda"))}
+    checks["golden.base.s128"] = RULES["golden.base.s128"]
+    checks |= {f"speed.{op}": RULES["speed.<op>"] for op in _KERNEL_SHAPES}
+    checks |= {f"train.large.s{seq}": RULES["train.large.s<seq>"] for seq in DEFAULT_BATCH}
+    return checks | {"aot.matches_jit": RULES["aot.matches_jit"]}
 
 
 def run_gpu_check(steps: int = 10, batch: dict[int, int] | None = None,
@@ -580,7 +732,7 @@ def run_gpu_check(steps: int = 10, batch: dict[int, int] | None = None,
         add(_child("interpreter_kernels", interpret=True))
         add(_child("interpreter_training", interpret=True))
         add(_child("aot", interpret=False))
-        add([Item(name, SKIPPED, reason=NO_GPU) for name in _gpu_item_names()])
+        add([Item(name, SKIPPED, details={"rule": rule}, reason=NO_GPU) for name, rule in gpu_checks().items()])
         return env, items
 
     from bert_ds.kernels.jit import interpreter_enabled
@@ -596,10 +748,12 @@ def run_gpu_check(steps: int = 10, batch: dict[int, int] | None = None,
     # Training first: the JIT then compiles exactly the BERT-large launches, which aot.matches_jit compares (a kernel
     # already compiled by an earlier check would come from the in-memory cache, unseen by the hook).
     with record_jit_compiles() as compiled:
+        add([_run("golden.base.s128", lambda: _golden_on_gpu(device))])
         for seq in DEFAULT_BATCH:
             add([_run(f"train.large.s{seq}", lambda seq=seq: _train_on_gpu(config, seq, batch[seq], device, steps,
                                                                           peak))])
     add([_run("aot.matches_jit", lambda: jit_matches_aot(compiled, driver.active.get_current_target()))])
+    add(check_dropout_masks(device))
     add(check_kernels(device))
     add(measure_kernel_speed(device))
     add([_run("aot.sass", _aot_sass_check)])

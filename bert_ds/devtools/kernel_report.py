@@ -1,12 +1,15 @@
-"""AOT-compile every Triton kernel build the runtime launches (sm_80, sm_90) and report its machine code.
+"""AOT-compile every Triton kernel build the shipped recipes launch (sm_80, sm_90) and report its machine code.
 
     bert-ds-kernel-report [--arch 80] [--controls] [--json report.json] [--sass _layer_norm_fwd_kernel]
     (also python tools/kernel_report.py)
 
-No GPU needed. The table gives REG/STACK/LOCAL/SHARED (cuobjdump --dump-resource-usage) and, from cuobjdump -sass,
-global loads and stores as width-in-bits x count (128x4: four LDG.E.128) and tensor-core instructions (HMMA/HGMMA).
-Exit status 1 when a build fails a check (spills; attention without tensor cores; LayerNorm / bias-GELU bf16 rows
-not moved 128 bits at a time) or, with --controls, when a known-bad variant passes every check.
+No GPU needed. The builds are those of every ``ds_configs/*.json`` recipe as shipped and with explicit
+``kernels: "triton"``, recorded by running the model (:mod:`bert_ds.devtools.recipe_launches`). The table gives
+REG/STACK/LOCAL/SHARED (cuobjdump --dump-resource-usage) and, from cuobjdump -sass, global loads and stores as
+width-in-bits x count (128x4: four LDG.E.128), tensor-core instructions (MMA: HMMA/HGMMA) and which recipes launch
+each build. Exit status 1 when a build fails a check (spills; attention without tensor cores; LayerNorm / bias-GELU
+bf16 rows not moved 128 bits at a time) or, with --controls, when a known-bad variant passes every check on an
+architecture it is built for.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import json
 import sys
 from pathlib import Path
 
+from bert_ds.devtools.recipe_launches import shipped_launches
 from bert_ds.errors import BadInput, run_main
 from bert_ds.kernels import aot
+from bert_ds.kernels.jit import triton_version_problem
 
 __all__ = ["main"]
 
@@ -35,9 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(parser.prog, _report, parser.parse_args(argv))
 
 
+def recipe_builds(targets) -> tuple[list[aot.Build], dict[str, str]]:
+    """The builds of every shipped recipe (as shipped and with explicit ``triton``) for ``targets``, and the
+    recipe settings the runtime refuses, with why."""
+    launches, refused = shipped_launches()
+    return aot.builds_from_launches(launches, targets), refused
+
+
 def _report(args: argparse.Namespace) -> int:
+    problem = triton_version_problem()
+    if problem is not None:
+        raise BadInput(f"cannot build the kernels ahead of time: {problem}")
     targets = [t for t in aot.TARGETS if not args.arch or t.arch in args.arch]
-    builds = aot.kernel_builds(targets)
+    builds, refused = recipe_builds(targets)
     if args.sass:
         chosen = [b for b in builds if b.kernel == args.sass]
         if not chosen:
@@ -46,9 +61,11 @@ def _report(args: argparse.Namespace) -> int:
             print(f"// {b.kernel} [{b.label}] sm_{b.target.arch} (shapes: {', '.join(b.shapes)})")
             print(aot.sass(aot.compile_build(b).asm["cubin"]))
         return 0
-
     rows = [aot.analyse(b) for b in builds]
     print(aot.format_report(rows))
+    print(aot.format_summary(rows))
+    for name, why in refused.items():
+        print(f"refused (no build): {name}: {why}")
     status = 0
     for r in rows:
         for problem in r.problems:
@@ -57,14 +74,16 @@ def _report(args: argparse.Namespace) -> int:
     control_rows = []
     if args.controls:
         print("\ncontrols (known-bad variants; each must fail a check):")
-        for name, r in aot.controls(targets[0]):
-            control_rows.append({"name": name, **aot.report_json([r])[0]})
-            verdict = "; ".join(r.problems) if r.problems else "PASSED EVERY CHECK: the checks cannot see this"
-            print(f"  {name} sm_{r.arch}: loads {r.loads}, stores {r.stores}, MMA {r.tensor_core_ops}, "
-                  f"STACK {r.stack} -> {verdict}")
-            status = status or (0 if r.problems else 1)
+        for target in targets:
+            for name, r in aot.controls(target):
+                control_rows.append({"name": name, **aot.report_json([r])[0]})
+                verdict = "; ".join(r.problems) if r.problems else "PASSED EVERY CHECK: the checks cannot see this"
+                print(f"  {name} sm_{r.arch}: loads {r.loads}, stores {r.stores}, MMA {r.tensor_core_ops}, "
+                      f"STACK {r.stack} -> {verdict}")
+                status = status or (0 if r.problems else 1)
     if args.json:
-        args.json.write_text(json.dumps({"builds": aot.report_json(rows), "controls": control_rows}, indent=1) + "\n")
+        doc = {"builds": aot.report_json(rows), "controls": control_rows, "refused": refused}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return status
 
 

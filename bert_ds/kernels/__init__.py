@@ -2,11 +2,12 @@
 
 ``layer_norm`` (optionally with the residual add), ``bias_gelu`` (erf GELU), ``attention``
 (FlashAttention-style, key-padding mask) and ``varlen_attention`` (the same on unpadded tokens) take
-``backend`` in :data:`BACKENDS`: ``auto`` picks Triton on CUDA tensors and torch elsewhere (one warning
-per op per process), ``triton``/``torch``/``apex`` are explicit and raise when they cannot run.
+``backend`` in :data:`BACKENDS`: ``auto`` picks Triton on CUDA tensors where it was measured faster than the twin
+(:data:`.registry.AUTO_TRITON_ON_CUDA`: varlen attention in bf16/fp16) and torch elsewhere (one warning off CUDA),
+``triton``/``torch``/``apex`` are explicit and raise when they cannot run.
 ``TRITON_INTERPRET=1`` lets explicit ``triton`` run on CPU tensors (how the tests check the kernels).
 Both Triton attentions apply attention dropout in the kernels (Philox keep-mask keyed by torch's RNG,
-:mod:`.dropout`), so ``auto`` keeps them with ``dropout_p > 0``.
+:mod:`.dropout`), so dropout never changes the choice.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ _VARLEN_ATTENTION = {"triton": varlen_attention_triton, "torch": varlen_attentio
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                residual: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """``LayerNorm(x + residual)`` over the last dim (residual optional)."""
-    return _LAYER_NORM[resolve_backend("layer_norm", backend, x.device)](x, weight, bias, eps, residual)
+    return _LAYER_NORM[resolve_backend("layer_norm", backend, x.device, x.dtype)](x, weight, bias, eps, residual)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Exact (erf) GELU of ``x + bias``; x (..., N), bias (N,)."""
-    return _BIAS_GELU[resolve_backend("bias_gelu", backend, x.device)](x, bias)
+    return _BIAS_GELU[resolve_backend("bias_gelu", backend, x.device, x.dtype)](x, bias)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
@@ -46,7 +47,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mas
 
     ``key_padding_mask`` (B, S) bool, True = real token. Padded query rows are finite but arbitrary.
     """
-    return _ATTENTION[resolve_backend("attention", backend, q.device)](q, k, v, key_padding_mask, dropout_p)
+    return _ATTENTION[resolve_backend("attention", backend, q.device, q.dtype)](q, k, v, key_padding_mask, dropout_p)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -57,7 +58,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     longest; ``seqlens`` optional host copy of the lengths (the torch path then runs per sequence). See
     :mod:`.attention_varlen`.
     """
-    chosen = resolve_backend("varlen_attention", backend, q.device)
+    chosen = resolve_backend("varlen_attention", backend, q.device, q.dtype)
     return _VARLEN_ATTENTION[chosen](q, k, v, cu_seqlens, max_seqlen, dropout_p, seqlens)
 
 

@@ -197,6 +197,7 @@ class Build:
     spec: Specialization
     target: GPUTarget
     shapes: tuple[str, ...]  # "large-s512" etc.: the shapes whose launches compile to this binary
+    sites: tuple[str, ...] = ()  # which recipe launches it, and how (bert_ds.devtools.recipe_launches.Site.label)
 
     @property
     def kernel(self) -> str:
@@ -204,10 +205,18 @@ class Build:
 
     @property
     def label(self) -> str:
-        """Constexprs (including integers the JIT folded because they equal 1) and num_warps."""
+        """Every build parameter: the element type of the first tensor, the constexprs (including integers the JIT
+        folded because they equal 1), the integer arguments the JIT marks 16-divisible (``div16``: e.g. BERT-large's
+        16 heads, not BERT-base's 12), num_warps and num_stages. Two builds of one kernel and target have two labels
+        exactly when their specialisations differ in anything but pointer alignment (which the JIT fixes at 16)."""
+        dtype = next((t[1:] for t in self.spec.signature.values() if str(t).startswith("*")), "-")
         values = {self.spec.arg_name(path): v for path, v in self.spec.constexprs.items()}
         values = {k: v for k, v in values.items() if k not in _HIDDEN_CONSTEXPRS}
-        return ",".join([f"{k}={v}" for k, v in values.items()] + [f"num_warps={self.spec.options['num_warps']}"])
+        pointers = {n for n, t in self.spec.signature.items() if str(t).startswith("*")}
+        ints = [n for n in self.divisible if n not in pointers]
+        return ",".join([f"dtype={dtype}"] + [f"{k}={v}" for k, v in values.items()]
+                        + [f"div16={'+'.join(ints) or '-'}", f"num_warps={self.spec.options['num_warps']}",
+                           f"num_stages={self.spec.options['num_stages']}"])
 
     @property
     def divisible(self) -> tuple[str, ...]:
@@ -247,6 +256,29 @@ def kernel_builds(targets: Sequence[GPUTarget] = TARGETS, shapes: Sequence[Model
                     elif shape.name not in seen.shapes:
                         builds[key] = dataclasses.replace(seen, shapes=seen.shapes + (shape.name,))
     return sorted(builds.values(), key=lambda b: b.target.arch)  # stable: launch order within a target
+
+
+def entry_of(kernel: str) -> KernelEntry:
+    """The :data:`ENTRIES` row whose checks name ``kernel``."""
+    for entry in ENTRIES:
+        if kernel in entry.checks:
+            return entry
+    raise KeyError(f"{kernel}: no AOT entry checks this kernel")
+
+
+def builds_from_launches(launches: Sequence[tuple], targets: Sequence[GPUTarget] = TARGETS) -> list[Build]:
+    """Every distinct binary for ``launches`` ((Launch, site) pairs, site with ``.shape`` and ``.label``, as
+    :func:`bert_ds.devtools.recipe_launches.shipped_launches` gives them), per target, with the sites it serves."""
+    builds: dict[tuple, Build] = {}
+    for launch, site in launches:
+        for target in targets:
+            spec = specialize(launch, target)
+            key = (target.arch, spec.key)
+            seen = builds.get(key) or Build(entry_of(spec.kernel.__name__), spec, target, ())
+            shapes = seen.shapes if site.shape in seen.shapes else seen.shapes + (site.shape,)
+            sites = seen.sites if site.label in seen.sites else seen.sites + (site.label,)
+            builds[key] = dataclasses.replace(seen, shapes=shapes, sites=sites)
+    return sorted(builds.values(), key=lambda b: (b.target.arch, b.kernel, b.label))
 
 
 def compile_build(build: Build):
@@ -312,6 +344,7 @@ class KernelReport:
     config: str
     arch: int
     shapes: tuple[str, ...]
+    sites: tuple[str, ...]
     divisible: tuple[str, ...]
     reg: int
     stack: int
@@ -341,6 +374,7 @@ def analyse(build: Build) -> KernelReport:
     ops = sass_ops(sass(cubin))
     row = KernelReport(
         op=build.entry.op, kernel=build.kernel, config=build.label, arch=build.target.arch, shapes=build.shapes,
+        sites=build.sites,
         divisible=build.divisible, reg=reg, stack=stack, shared=shared, local=local,
         loads=_by_width(ops, ("LDG", "LDGSTS")), stores=_by_width(ops, ("STG",)),
         tensor_core_ops=sum(n for op, n in ops.items() if op.split(".")[0] in ("HMMA", "HGMMA")),
@@ -357,14 +391,21 @@ def report(targets: Sequence[GPUTarget] = TARGETS) -> list[KernelReport]:
     return [analyse(b) for b in kernel_builds(targets)]
 
 
+# Block sizes that spill, per architecture (measured 2026-11 with triton 3.9): sm_90 has room where sm_80 spills.
+_SPILLING_BLOCKS = {
+    80: {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 64}, "_attn_bwd_dkdv_kernel": {"BLOCK_M": 32, "BLOCK_N": 64}},
+    90: {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 128}, "_attn_bwd_dkdv_kernel": {"BLOCK_M": 64, "BLOCK_N": 64}},
+}
+
+
 def controls(target: GPUTarget = TARGETS[0]) -> list[tuple[str, KernelReport]]:
-    """Builds each check must reject, with what they show: (what the variant is, its report with ``problems``).
+    """Builds each check must reject on ``target``, with what they show: (what the variant is, its report).
 
     - the memory-bound kernels as the AOT report built them before issue 10: ``N`` a plain i32, not marked
       16-divisible as the JIT marks 768/1024/3072/4096, so the row masks cannot be proven 8-aligned;
-    - the attention forward on fp32 inputs (IEEE products: no tensor cores);
-    - the attention forward with BLOCK_M=128, BLOCK_N=64, the block size that spilled;
-    - the attention dK/dV kernel with dropout at the no-dropout block size (32 x 64), which spills on sm_80.
+    - the attention forward on fp32 inputs (IEEE products: no tensor cores, and it spills);
+    - the attention forward and the dK/dV kernel with dropout at block sizes that spill on this architecture
+      (:data:`_SPILLING_BLOCKS`).
     """
     shape = bert_shapes()[:1]
     out = []
@@ -376,12 +417,11 @@ def controls(target: GPUTarget = TARGETS[0]) -> list[tuple[str, KernelReport]]:
     fp32 = [b for b in kernel_builds([target], shape, torch.float32, attn) if b.kernel == "_attn_fwd_kernel"]
     out.append(("_attn_fwd_kernel, fp32 inputs (IEEE products)", analyse(fp32[0])))
     bf16 = kernel_builds([target], shape, entries=attn)
-    fwd = [b for b in bf16 if b.kernel == "_attn_fwd_kernel"]
-    out.append(("_attn_fwd_kernel, BLOCK_M=128 BLOCK_N=64",
-                analyse(fwd[0].with_changes(constexprs={"BLOCK_M": 128, "BLOCK_N": 64}))))
-    dkdv = [b for b in bf16 if b.kernel == "_attn_bwd_dkdv_kernel" and "DROPOUT=True" in b.label]
-    out.append(("_attn_bwd_dkdv_kernel, DROPOUT=True BLOCK_M=32 BLOCK_N=64",
-                analyse(dkdv[0].with_changes(constexprs={"BLOCK_M": 32, "BLOCK_N": 64}))))
+    for kernel, blocks in _SPILLING_BLOCKS[target.arch].items():
+        build = next(b for b in bf16 if b.kernel == kernel and ("DROPOUT=True" in b.label or "dkdv" not in kernel))
+        dropout = " DROPOUT=True" if "dkdv" in kernel else ""
+        out.append((f"{kernel},{dropout} BLOCK_M={blocks['BLOCK_M']} BLOCK_N={blocks['BLOCK_N']}",
+                    analyse(build.with_changes(constexprs=blocks))))
     return out
 
 
@@ -405,6 +445,23 @@ def format_report(rows: Sequence[KernelReport]) -> str:
                          _widths(r.loads), _widths(r.stores), str(r.tensor_core_ops), _shapes(r.shapes)) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+
+
+def _hgmma(row: KernelReport) -> int:
+    return sum(n for op, n in row.ops.items() if op.split(".")[0] == "HGMMA")
+
+
+def format_summary(rows: Sequence[KernelReport]) -> str:
+    """Per architecture: builds, builds that spill, attention builds and how many of them use tensor cores."""
+    lines = []
+    for arch in sorted({r.arch for r in rows}):
+        mine = [r for r in rows if r.arch == arch]
+        attn = [r for r in mine if "attention" in r.op]
+        lines.append(f"sm_{arch}: {len(mine)} builds, {sum(r.spills for r in mine)} spill, "
+                     f"{sum(r.stack + r.local for r in mine)} spill bytes; {len(attn)} attention builds, "
+                     f"{sum(r.tensor_core_ops > 0 for r in attn)} with MMA "
+                     f"({sum(_hgmma(r) > 0 for r in attn)} with Hopper's wgmma, HGMMA)")
+    return "\n".join(lines)
 
 
 def report_json(rows: Sequence[KernelReport]) -> list[dict]:

@@ -32,7 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 __all__ = ["SUPPORTED_TRITON", "LateJIT", "Launch", "Specialization", "compiler_mode_problem", "interpreter_enabled",
-           "late_jit", "record_launches", "specialize", "triton_version_problem"]
+           "late_jit", "record_launches", "recording", "specialize", "triton_version_problem"]
 
 SUPPORTED_TRITON = ((3, 9), (3, 10))
 """Triton versions the kernels are tested with: >= 3.9, < 3.10. The interpreter work-arounds in the kernels (bf16
@@ -85,6 +85,11 @@ class Launch:
 
 
 _RECORDING: ContextVar[list[Launch] | None] = ContextVar("bert_ds_kernel_recording", default=None)
+
+
+def recording() -> bool:
+    """True inside :func:`record_launches`: launches are recorded as a CUDA device would issue them."""
+    return _RECORDING.get() is not None
 
 
 @contextmanager

@@ -194,7 +194,7 @@ def test_dropout_probability_out_of_range_is_refused(p):
 
 def test_auto_keeps_the_triton_attention_with_dropout(monkeypatch, recwarn, fresh_warnings):
     """On CUDA ``auto`` resolves to Triton; with dropout it must stay there (no SDPA fallback, no warning)."""
-    monkeypatch.setattr(kernels, "resolve_backend", lambda op, requested, device: "triton")
+    monkeypatch.setattr(kernels, "resolve_backend", lambda op, requested, device, dtype=None: "triton")
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 32, 64, generator=gen) for _ in range(3))
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ def test_unsupported_triton_is_refused_explicitly_and_auto_falls_back(version, m
     with pytest.raises(RuntimeError, match=r"triton.*3\.9"):
         resolve_backend("attention", "triton", CPU)
     with pytest.warns(RuntimeWarning, match="falls back"):
-        assert resolve_backend("attention", "auto", torch.device("cuda")) == "torch"
+        assert resolve_backend("varlen_attention", "auto", torch.device("cuda"), torch.bfloat16) == "torch"
 
 
 def test_supported_triton_version_passes():
@@ -74,8 +74,42 @@ def test_auto_ops_run_on_cpu_and_match_the_definitions(fresh_warnings):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_is_triton_on_cuda_device():
-    assert resolve_backend("attention", "auto", torch.device("cuda")) == "triton"
+CUDA = torch.device("cuda")
+
+
+def test_auto_on_cuda_picks_triton_only_where_it_was_measured_faster(recwarn, fresh_warnings):
+    # AUTO_TRITON_ON_CUDA: varlen attention in bf16/fp16 (1.7-1.85x its twin on an H100); padded attention, LayerNorm
+    # and bias-GELU were slower than their twins (0.40-0.90x), so auto gives them the twin, without a warning.
+    for dtype in (torch.bfloat16, torch.float16):
+        assert resolve_backend("varlen_attention", "auto", CUDA, dtype) == "triton"
+        for op in ("layer_norm", "bias_gelu", "attention"):
+            assert resolve_backend(op, "auto", CUDA, dtype) == "torch"
+            assert resolve_backend(op, "triton", CUDA, dtype) == "triton"  # explicit still runs Triton
+    assert resolve_backend("layer_norm", "auto", CUDA, torch.float32) == "torch"
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("op", ["attention", "varlen_attention"])
+def test_fp32_attention_on_cuda_is_sdpa_under_auto_and_refused_under_triton(op, fresh_warnings):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert [resolve_backend(op, "auto", CUDA, torch.float32) for _ in range(3)] == ["torch"] * 3
+    assert len([w for w in record if "IEEE fp32" in str(w.message)]) == 1
+    with pytest.raises(RuntimeError, match="fp32 CUDA tensors.*no tensor cores"):
+        resolve_backend(op, "triton", CUDA, torch.float32)
+    # The fp32 layer norm and bias-GELU builds do not spill (bert-ds-kernel-report): explicit Triton runs them.
+    assert resolve_backend("layer_norm", "triton", CUDA, torch.float32) == "triton"
+
+
+def test_recorded_launches_resolve_as_on_cuda(fresh_warnings):
+    # bert_ds.kernels.aot records what a GPU would launch: inside record_launches CPU tensors count as CUDA ones.
+    from bert_ds.kernels.jit import record_launches
+
+    with record_launches():
+        assert resolve_backend("varlen_attention", "auto", CPU, torch.bfloat16) == "triton"
+        assert resolve_backend("attention", "auto", CPU, torch.bfloat16) == "torch"
+        with pytest.raises(RuntimeError, match="fp32 CUDA"):
+            resolve_backend("attention", "triton", CPU, torch.float32)
 
 
 def test_explicit_triton_on_cpu_without_interpreter_raises(monkeypatch):

@@ -1,0 +1,152 @@
+"""The pass rules of ``bert-ds-gpu-check``: pure functions from measured values to (passed, details).
+
+Each rule is written once here, listed with its check in :data:`RULES` (what dry mode prints) and tested on planted
+faults in ``tests/test_gpu_check.py`` (a wrong mask, a twin off by a scale, a slower kernel, a drifting loss).
+
+The dropout reference is an independent Philox4x32-10 (Salmon et al. 2011) in numpy, checked against Random123's
+known-answer vectors; :func:`reference_keep_mask` applies it exactly as :func:`bert_ds.kernels.dropout.dropout_keep`
+does: counter (query, key, sequence, head), key (seed_lo, seed_hi), the first output word turned into a float as
+``tl.uint_to_uniform_float`` does, kept when >= p (compared in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["BF16_NORM_EPS", "BF16_PEAK_EPS", "FP32_TOLERANCE", "GOLDEN_FLOOR", "KEEP_RATE_Z", "RULES", "SPEED_FLOOR",
+           "TRAIN_FLOORS", "golden_rule", "keep_rate_rule", "mask_rule", "philox4x32_10", "reference_keep_mask",
+           "speed_rule", "twin_rule"]
+
+_ROUND_A, _ROUND_B = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_KEY_A, _KEY_B = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+_LOW = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[np.ndarray, ...]:
+    """Philox4x32 with 10 rounds on uint32 arrays (broadcast): the four output words."""
+    c = [np.asarray(x, dtype=np.uint32) for x in np.broadcast_arrays(c0, c1, c2, c3)]
+    k0, k1 = np.uint32(k0), np.uint32(k1)
+    with np.errstate(over="ignore"):
+        for _ in range(10):
+            prod_b = _ROUND_B * c[2].astype(np.uint64)
+            prod_a = _ROUND_A * c[0].astype(np.uint64)
+            hi_b, lo_b = (prod_b >> np.uint64(32)).astype(np.uint32), (prod_b & _LOW).astype(np.uint32)
+            hi_a, lo_a = (prod_a >> np.uint64(32)).astype(np.uint32), (prod_a & _LOW).astype(np.uint32)
+            c = [hi_b ^ c[1] ^ k0, lo_b, hi_a ^ c[3] ^ k1, lo_a]
+            k0, k1 = k0 + _KEY_A, k1 + _KEY_B
+    return tuple(c)
+
+
+def reference_keep_mask(seed: tuple[int, int], p: float, batch: int, heads: int, seq_q: int,
+                        seq_k: int | None = None) -> torch.Tensor:
+    """(batch, heads, seq_q, seq_k) bool, True = kept, computed on the CPU without Triton."""
+    seq_k = seq_q if seq_k is None else seq_k
+    b, h, i, j = np.ix_(np.arange(batch), np.arange(heads), np.arange(seq_q), np.arange(seq_k))
+    r, _, _, _ = philox4x32_10(i.astype(np.uint32), j.astype(np.uint32), b.astype(np.uint32), h.astype(np.uint32),
+                               seed[0], seed[1])
+    x = r.view(np.int32)
+    x = np.where(x < 0, ~x, x)  # tl.uint_to_uniform_float: non-negative int32, times the largest scale below 1
+    uniform = x.astype(np.float32) * np.float32(4.6566127342e-10)
+    return torch.from_numpy(uniform >= np.float32(p))
+
+
+def mask_rule(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, dict]:
+    """The device mask equals the reference bit for bit."""
+    got, want = got.cpu().bool(), want.cpu().bool()
+    if got.shape != want.shape:
+        return False, {"reason": f"mask shape {tuple(got.shape)} != reference {tuple(want.shape)}"}
+    differ = int((got != want).sum())
+    details = {"elements": got.numel(), "differing": differ}
+    if differ:
+        details["reason"] = f"{differ} of {got.numel()} mask bits differ from the CPU Philox reference"
+    return differ == 0, details
+
+
+KEEP_RATE_Z = 3.2905  # two-sided 99.9% normal quantile: a correct generator fails with probability 1e-3
+
+
+def keep_rate_rule(mask: torch.Tensor, p: float) -> tuple[bool, dict]:
+    """The kept fraction lies within (1 - p) +- z * sqrt(p (1 - p) / n): the 99.9% binomial (normal) bound."""
+    n = mask.numel()
+    rate = float(mask.float().mean())
+    half = KEEP_RATE_Z * math.sqrt(p * (1 - p) / n)
+    ok = abs(rate - (1 - p)) <= half
+    details = {"p": p, "n": n, "keep_rate": round(rate, 6), "bound": [round(1 - p - half, 6), round(1 - p + half, 6)]}
+    if not ok:
+        details["reason"] = f"keep rate {rate:.5f} outside the 99.9% bound {details['bound']} for p = {p}"
+    return ok, details
+
+
+FP32_TOLERANCE = (1e-4, 1e-4)  # atol, rtol: as tests/kernels
+BF16_NORM_EPS, BF16_PEAK_EPS = 10.0, 16.0  # as tests/helpers/kernels.py: measured <= 0.9 / 1.35 eps on correct code
+
+
+def twin_rule(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[bool, dict]:
+    """A kernel output against the fp32 twin on the same inputs: fp32 elementwise |d| <= atol + rtol |ref|; bf16/fp16
+    normwise ||d|| / ||ref|| <= 10 eps and max |d| / max |ref| <= 16 eps (eps of the dtype)."""
+    got_f, ref_f = got.detach().float(), ref.detach().float()
+    err = (got_f - ref_f).abs()
+    finite = bool(torch.isfinite(got_f).all())
+    details = {"max_abs_error": float(err.max()) if err.numel() else 0.0}
+    if dtype == torch.float32:
+        atol, rtol = FP32_TOLERANCE
+        ok = bool((err <= atol + rtol * ref_f.abs()).all())
+    else:
+        eps = torch.finfo(dtype).eps
+        norm = float(err.double().norm() / ref_f.double().norm().clamp_min(1e-300)) / eps
+        peak = float(err.max().double() / ref_f.double().abs().max().clamp_min(1e-300)) / eps
+        details["error_in_eps"] = [round(norm, 3), round(peak, 3)]
+        ok = norm <= BF16_NORM_EPS and peak <= BF16_PEAK_EPS
+    return ok and finite and got.dtype == dtype, details
+
+
+GOLDEN_FLOOR = 1e-3  # absolute: below it a loss difference is fp32 summation order, whatever the twins do
+
+
+def golden_rule(triton: list[float], twins: list[float], reference: list[float]) -> tuple[bool, dict]:
+    """Step by step, the Triton run's loss is as close to the fp32 reference run as the torch twins' run is, up to
+    a factor 2: |L_triton - L_ref| <= 2 * max_k |L_twins - L_ref| + 1e-3 at every step (the twins' own rounding sets
+    the bound; the same seeds and batches, dropout off)."""
+    noise = max(abs(a - b) for a, b in zip(twins, reference, strict=True))
+    bound = 2 * noise + GOLDEN_FLOOR
+    gaps = [abs(a - b) for a, b in zip(triton, reference, strict=True)]
+    bad = [k for k, g in enumerate(gaps) if not g <= bound]
+    details = {"bound": bound, "twins_max_gap": noise, "triton_gaps": [round(g, 6) for g in gaps]}
+    if bad:
+        details["reason"] = f"Triton loss leaves the bound {bound:.2e} at steps {bad}"
+    return not bad, details
+
+
+SPEED_FLOOR = 0.9
+"""Kernel speed: the backend ``auto`` picks for an op must be at least 0.9x as fast as the other one."""
+TRAIN_FLOORS = {"torch twins": 0.95, "transformers": 0.9}
+"""Training speed of ``auto``, sequences/s over each baseline's in the same run, at least these."""
+
+
+def speed_rule(ratio: float, floor: float, what: str) -> tuple[bool, dict]:
+    """``ratio`` (baseline time / measured time: > 1 is faster) is at least ``floor``."""
+    ok = ratio >= floor
+    details = {"ratio": round(ratio, 3), "floor": floor}
+    if not ok:
+        details["reason"] = f"{what}: {ratio:.3f}x the baseline, below the floor {floor}x"
+    return ok, details
+
+
+RULES = {
+    "dropout.<padded|varlen>.p<p>": "the keep-mask read out of the kernel (q = k = 0, v one-hot) equals the CPU "
+                                    "Philox reference bit for bit, and its keep rate is within the 99.9% binomial "
+                                    "bound (1 - p) +- 3.29 sqrt(p (1 - p) / n)",
+    "kernels.<op>.<dtype>": "forward and every gradient against the fp32 twin on the same inputs: fp32 |d| <= 1e-4 "
+                            "+ 1e-4 |ref| elementwise; bf16 <= 10 eps normwise and <= 16 eps at the largest element",
+    "golden.base.s128": "BERT-base, dropout off, same seed and batch, bf16: at every step |L_triton - L_fp32| <= "
+                        "2 max|L_twins - L_fp32| + 1e-3",
+    "speed.<op>": f"the backend auto picks is >= {SPEED_FLOOR}x the other's speed (forward + backward, same run)",
+    "train.large.s<seq>": "auto's sequences/s >= 0.95x the torch twins' and >= 0.9x transformers' BertForPreTraining "
+                          "(SDPA) in the same run; MFU = 3 x forward FLOPs per sequence x seq/s / peak",
+    "aot.sass": "bert-ds-kernel-report's builds: no spill, MMA in every attention build, 128-bit LayerNorm/GELU rows",
+    "aot.matches_jit": "every kernel the JIT compiled during training is one of the AOT report's builds",
+}
+"""Every GPU check, by name pattern, with its pass rule (what ``bert-ds-gpu-check`` prints in dry mode)."""
