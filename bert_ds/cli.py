@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify-shards": ("bert_ds.data.reader", "check a shard set against its index.json"),
     "pretrain": ("bert_ds.runtime.pretrain", "pre-train (one process; ranks via deepspeed, srun or mpirun)"),
     "deepspeed": ("bert_ds.runtime.supervise", "DeepSpeed's runner, supervised: pre-emption exits 75, no orphans"),
+    "mpirun": ("bert_ds.runtime.supervise_mpirun", "Open MPI's mpirun, supervised: pre-emption exits 75, no orphans"),
     "make-hostfile": ("bert_ds.runtime.launch", "write DeepSpeed's hostfile from a Slurm allocation or a host list"),
     "evaluate": ("bert_ds.evaluate", "held-out masked-LM / NSP accuracy of a checkpoint"),
     "convert-checkpoint": ("bert_ds.export.convert", "export a checkpoint to Hugging Face transformers, verified"),

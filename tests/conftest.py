@@ -81,15 +81,20 @@ def shard_reader():
 @pytest.fixture(scope="session", autouse=True)
 def _release_leaked_deepspeed_shm():
     """Ranks the tests kill (-9, SIGTERM) cannot unlink DeepSpeed's CPU all-reduce buffers in /dev/shm, which is RAM:
-    remove the ones this session created, so a long suite does not fill memory
-    (bert_ds.runtime.distributed.release_shm_buffers does this for runs that end normally)."""
+    remove the ones this session created that no process maps any more, so a long suite does not fill memory
+    (bert_ds.runtime.distributed.release_shm_buffers does this for runs that end normally). A buffer still mapped
+    belongs to a live run -- another pytest session's on this machine: deleting it left that run's rank 0 spinning in
+    DeepSpeed's ``shm_initialize`` for ever, waiting for its peer's buffer (seen 2026-11-27 with two sessions)."""
     import time
+
+    from tests.helpers.shm import mapped_shm_paths
 
     start = time.time() - 1
     yield
+    mapped = mapped_shm_paths()
     for seg in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
         try:
-            if seg.stat().st_mtime >= start:
+            if seg.stat().st_mtime >= start and str(seg) not in mapped:
                 seg.unlink()
         except OSError:
             continue

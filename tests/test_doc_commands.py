@@ -51,7 +51,8 @@ TWO_RANKS = "tests/faults/test_fault_table.py::test_fault"
 SUPERVISED = ("tests/faults/test_fault_table.py::test_fault, "
               "tests/faults/test_fault_table_preemption.py::test_group_sigterm_checkpoints_exits_75_and_resumes_exactly")
 NO_SSH = "tests/launch/test_launch_paths.py::test_two_launchers_with_no_ssh_match_one_node"
-MPIRUN = "tests/launch/test_launch_paths.py::test_mpirun_matches_one_node"
+MPIRUN = ("tests/launch/test_launch_paths.py::test_mpirun_matches_one_node, "
+          "tests/launch/test_preemption_launchers.py::test_supervised_mpirun_sigterm_exits_75_and_resumes_exactly")
 SLURM = "tests/launch/test_slurm.py::test_sbatch_runs_both_phases_with_one_srun_task_per_rank"
 SLURM_HOSTFILE = "tests/launch/test_launch_paths.py::test_deepspeed_launcher_from_a_slurm_hostfile_matches_one_node"
 GLUE = "tests/downstream/test_suite.py::test_glue_suite_table"
@@ -71,7 +72,7 @@ RULES: dict[str, list[Rule]] = {
         Rule(r"^bert-ds-make-hostfile --hosts", "run"),
         Rule(r"^deepspeed --hostfile hostfile bert_ds", "cannot", "pdsh and ssh to node0/node1; the --no_ssh form of "
              f"the same launch is {NO_SSH}"),
-        Rule(r"^mpirun -np 16 -H node0:8", "covered", MPIRUN),
+        Rule(r"^bert-ds mpirun -np 16 -H node0:8", "covered", MPIRUN),
         Rule(r"^sbatch --nodes=8 .* slurm/pretrain_large\.sh", "covered", SLURM),
         Rule(r"^bert-ds-(evaluate|convert-checkpoint|finetune|extract-features) ", "run"),
         Rule(r"^bert-ds-glue ", "covered", GLUE),
@@ -115,7 +116,7 @@ RULES: dict[str, list[Rule]] = {
         Rule(r"^bert-ds deepspeed --num_gpus 8 ", "covered", SUPERVISED),
         Rule(r"^bert-ds-make-hostfile --hosts", "run"),
         Rule(r"^deepspeed --hostfile hostfile --no_ssh", "covered", NO_SSH),
-        Rule(r"^mpirun -np 16 -H node0:8", "covered", MPIRUN),
+        Rule(r"^bert-ds mpirun -np 16 -H node0:8", "covered", MPIRUN),
         Rule(r"^sbatch --nodes=8 .* slurm/pretrain_large\.sh", "covered", SLURM),
         Rule(r"^sbatch --nodes=2 .* slurm/pretrain_base\.sh", "covered",
              "tests/launch/test_launch.py::test_pretrain_scripts_take_sizes_from_the_allocation"),

@@ -25,6 +25,12 @@ What the supervisor does (Linux):
 Multi-node through ``pdsh`` (``--hostfile`` without ``--no_ssh``): ranks on other nodes are not the supervisor's
 descendants; a signal is then passed to the runner, whose own handler (``runner.py`` ``sigkill_handler``) ends every
 node's ranks without a checkpoint. Per-node launches (``--no_ssh --node_rank``, one supervisor per node) are covered.
+
+``bert-ds mpirun ARGS`` is the same supervisor around Open MPI's ``mpirun``, which answers SIGTERM by ending the job
+(exit 1 two seconds later, the ranks killed before they save) but forwards SIGUSR1 to every rank on every node and
+then exits with the first non-zero rank code (75): a signal to the command, its group or ``mpirun`` alone becomes one
+SIGUSR1 to ``mpirun`` once this node's ranks have armed (so it reaches the ranks on other nodes too), and
+``PR_SET_PDEATHSIG`` sends ``mpirun`` SIGUSR1 should the supervisor be killed.
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from bert_ds.deepspeed_internals import LAUNCH_MODULE, RUNNER_MODULE
 from bert_ds.exit_codes import ExitCode
 
-__all__ = ["DIR_ENV", "arm", "exit_code_of", "main", "report_exit"]
+__all__ = ["DEEPSPEED", "DIR_ENV", "MPIRUN", "Launcher", "arm", "exit_code_of", "main", "report_exit", "supervise"]
 
 DIR_ENV = "BERT_DS_SUPERVISOR_DIR"
 """The directory in which ranks started by a supervisor report ``armed.<pid>`` and ``exit.<pid>``."""
@@ -77,15 +84,18 @@ def _report(kind: str, text: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the supervisor's side
-def exit_code_of(reports: dict[int, int], runner: int, preempted: bool) -> int:
-    """The job's exit code. ``runner``: DeepSpeed's runner's status as ``os.waitstatus_to_exitcode`` gives it (-N:
-    killed by signal N); ``reports``: the ranks' reported codes by pid; ``preempted``: the supervisor was signalled.
+def exit_code_of(reports: dict[int, int], runner: int, preempted: bool, runner_knows: bool = True) -> int:
+    """The job's exit code. ``runner``: the launcher's status as ``os.waitstatus_to_exitcode`` gives it (-N: killed
+    by signal N); ``reports``: the ranks' reported codes by pid; ``preempted``: the supervisor was signalled;
+    ``runner_knows``: a launcher that exits by itself passes on the first failing rank's code.
 
-    A runner that exited by itself passes on the first failing rank's code (``launch.py`` exits with it and ends the
-    others), so that is the job's. A runner killed by a signal knows nothing: then a failure a rank reported wins,
-    else 75 if a rank reported it or the supervisor was signalled (killed before they could report: every save is
-    atomic, so ``--resume auto`` goes on from the last complete checkpoint), else 128 + N."""
-    if runner >= 0:
+    DeepSpeed's runner does (``launch.py`` exits with that code and ends the others), so its code is the job's
+    whenever it exited by itself. ``mpirun`` does not always: when one rank exits 75 it aborts the job, and a rank it
+    kills on the way can make its own status 1 (measured, 1 run in 3). A launcher killed by a signal knows nothing
+    either. Then a failure a rank reported wins, else 75 if a rank reported it or the supervisor was signalled (killed
+    before they could report: every save is atomic, so ``--resume auto`` goes on from the last complete checkpoint),
+    else the launcher's own code (128 + N when killed)."""
+    if runner >= 0 and runner_knows:
         return runner
     codes = [reports[pid] for pid in sorted(reports)]
     failures = [c for c in codes if c not in (ExitCode.OK, ExitCode.PREEMPTED)]
@@ -93,7 +103,7 @@ def exit_code_of(reports: dict[int, int], runner: int, preempted: bool) -> int:
         return failures[0]
     if ExitCode.PREEMPTED in codes or preempted:
         return ExitCode.PREEMPTED
-    return 128 - runner
+    return runner if runner >= 0 else 128 - runner
 
 
 def _prctl(option: int, value: int) -> None:
@@ -102,46 +112,87 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
 
 
-def _runner_preexec() -> None:
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+@dataclass(frozen=True)
+class Launcher:
+    """What differs between the launchers a supervisor runs."""
+
+    name: str
+    """The command's name in ``bert-ds NAME`` and in the supervisor's lines."""
+    command: tuple[str, ...]
+    """The launcher's command, before the user's arguments."""
+    rank_parents: tuple[str, ...]
+    """A process is a local rank when its parent's command line contains one of these."""
+    via_runner: bool
+    """True: a signal becomes one SIGUSR1 to the launcher, which passes it to every rank (``mpirun``). False: SIGTERM
+    to each local rank, never to the launcher (DeepSpeed's runner and ``launch.py`` would end the ranks)."""
+    death_signal: int
+    """What the launcher gets should the supervisor be killed (``PR_SET_PDEATHSIG``)."""
+
+
+DEEPSPEED = Launcher("deepspeed", (sys.executable, "-u", "-m", RUNNER_MODULE), (LAUNCH_MODULE,), False,
+                     signal.SIGTERM)
+MPIRUN = Launcher("mpirun", ("mpirun",), ("mpirun", "orterun", "orted", "prterun", "prted"), True, signal.SIGUSR1)
 
 
 class _Supervisor:
-    def __init__(self, argv: Sequence[str], directory: Path) -> None:
+    def __init__(self, argv: Sequence[str], directory: Path, launcher: Launcher = DEEPSPEED) -> None:
         import psutil
 
         self.psutil = psutil
         self.dir = directory
+        self.launcher = launcher
         self.pending: int | None = None
         self.signalled: set[int] = set()
         self.runner_code: int | None = None
-        """DeepSpeed's runner's status (``os.waitstatus_to_exitcode``) once it was reaped."""
+        """The launcher's status (``os.waitstatus_to_exitcode``) once it was reaped."""
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         env = dict(os.environ, **{DIR_ENV: str(directory)})
-        cmd = [sys.executable, "-u", "-m", RUNNER_MODULE, *argv]
-        self.runner = psutil.Popen(cmd, env=env, start_new_session=True, preexec_fn=_runner_preexec)
+        self.runner = psutil.Popen([*launcher.command, *argv], env=env, start_new_session=True,
+                                   preexec_fn=lambda: _prctl(_PR_SET_PDEATHSIG, launcher.death_signal))
         for sig in FORWARDED:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         if self.pending is None:
-            sys.stderr.write(f"bert-ds deepspeed: {signal.Signals(signum).name}: asking the ranks to checkpoint at "
-                             f"their next step boundary and exit {int(ExitCode.PREEMPTED)}\n")
+            sys.stderr.write(f"bert-ds {self.launcher.name}: {signal.Signals(signum).name}: asking the ranks to "
+                             f"checkpoint at their next step boundary and exit {int(ExitCode.PREEMPTED)}\n")
             sys.stderr.flush()
         self.pending = signum
         self.signalled.clear()  # a repeated signal is passed on again
 
     def _ranks(self) -> list:
-        """The local ranks: processes whose parent is a ``deepspeed.launcher.launch``."""
+        """The local ranks: processes whose parent is the launcher's rank starter (``launch.py``, ``mpirun``), the
+        supervisor itself excepted (its own command line names the launcher)."""
         ranks = []
         for proc in self.psutil.Process().children(recursive=True):
             try:
                 parent = proc.parent()
-                if parent is not None and LAUNCH_MODULE in " ".join(parent.cmdline()):
+                if parent is None or parent.pid == os.getpid():
+                    continue
+                if any(p in " ".join(parent.cmdline()) for p in self.launcher.rank_parents):
                     ranks.append(proc)
             except self.psutil.Error:
                 continue
         return ranks
+
+    def _ready(self, rank) -> bool:
+        """The rank armed its handler, or it is old enough to be a script that never will."""
+        return (self.dir / f"armed.{rank.pid}").exists() or time.time() - rank.create_time() > UNARMED_AFTER_S
+
+    def _forward_via_runner(self) -> None:
+        """One SIGUSR1 to ``mpirun`` per signal, once every local rank is ready (none local: once the launcher is
+        ``UNARMED_AFTER_S`` old), so the ranks on other nodes get it too."""
+        if self.runner.pid in self.signalled or self.runner_code is not None:
+            return
+        try:
+            ranks = self._ranks()
+            ready = all(self._ready(r) for r in ranks) if ranks else (
+                time.time() - self.runner.create_time() > UNARMED_AFTER_S)
+            if ready:
+                self.runner.send_signal(signal.SIGUSR1)
+                self.signalled.add(self.runner.pid)
+        except self.psutil.Error:
+            return
 
     def _uses_pdsh(self) -> bool:
         try:
@@ -152,6 +203,9 @@ class _Supervisor:
     def _forward(self) -> None:
         if self.pending is None:
             return
+        if self.launcher.via_runner:
+            self._forward_via_runner()
+            return
         if self._uses_pdsh():
             if self.runner.pid not in self.signalled and self.runner.is_running():
                 self.runner.send_signal(signal.SIGTERM)
@@ -161,8 +215,7 @@ class _Supervisor:
             if rank.pid in self.signalled:
                 continue
             try:
-                ready = (self.dir / f"armed.{rank.pid}").exists() or time.time() - rank.create_time() > UNARMED_AFTER_S
-                if ready:
+                if self._ready(rank):
                     rank.send_signal(signal.SIGTERM)
                     self.signalled.add(rank.pid)
             except self.psutil.Error:
@@ -196,11 +249,12 @@ class _Supervisor:
             self._reap()
             time.sleep(POLL_S)
         for proc in self._descendants_left():
-            sys.stderr.write(f"bert-ds deepspeed: killing pid {proc.pid} left {LEFTOVER_GRACE_S:.0f} s after the "
-                             f"runner exited\n")
+            sys.stderr.write(f"bert-ds {self.launcher.name}: killing pid {proc.pid} left {LEFTOVER_GRACE_S:.0f} s "
+                             f"after the launcher exited\n")
             proc.kill()
         self._reap()
-        return exit_code_of(self._reports(), self.runner_code, preempted=self.pending is not None)
+        return exit_code_of(self._reports(), self.runner_code, preempted=self.pending is not None,
+                            runner_knows=not self.launcher.via_runner)
 
     def _reports(self) -> dict[int, int]:
         reports = {}
@@ -210,21 +264,29 @@ class _Supervisor:
         return reports
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run DeepSpeed's runner with ``argv`` (its own arguments, verbatim) under the supervisor."""
+def supervise(launcher: Launcher, argv: Sequence[str] | None = None) -> int:
+    """Run ``launcher`` with ``argv`` (its own arguments, verbatim) under the supervisor; the job's exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    own = "deepspeed --help" if launcher is DEEPSPEED else f"{launcher.name} --help"
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        usage="%(prog)s [-h] [deepspeed runner options] SCRIPT [script arguments]",
-        epilog="The runner's own options: deepspeed --help. Exit codes: the ranks' (README), 75 when pre-empted.")
-    parser.add_argument("runner_args", nargs=argparse.REMAINDER,
-                        help="DeepSpeed's runner arguments, then the script and its arguments, passed on verbatim")
+        description=f"{launcher.name}, supervised: the command exits 75 when the "
+        "job was pre-empted and saved, whichever of its processes got the signal, and leaves no process behind",
+        usage=f"%(prog)s [-h] [{launcher.name} options] COMMAND [arguments]",
+        epilog=f"The launcher's own options: {own}. Exit codes: the ranks' (README), 75 when pre-empted.")
+    parser.add_argument("launcher_args", nargs=argparse.REMAINDER,
+                        help=f"{launcher.name}'s arguments, then the program and its arguments, passed on verbatim")
     parser.parse_known_args(argv[:1] if argv[:1] in (["-h"], ["--help"]) else [])
     if not argv:
-        parser.error("give the deepspeed runner's arguments and the script, e.g. --num_gpus 8 "
-                     "bert_ds/runtime/pretrain.py --recipe ...")
+        example = ("--num_gpus 8 bert_ds/runtime/pretrain.py --recipe ..." if launcher is DEEPSPEED else
+                   "-np 16 -H node0:8,node1:8 -x MASTER_PORT=29500 bert-ds-pretrain --recipe ...")
+        parser.error(f"give {launcher.name}'s arguments and the program, e.g. {example}")
     with tempfile.TemporaryDirectory(prefix="bert_ds-supervisor-") as directory:
-        return _Supervisor(argv, Path(directory)).run()
+        return _Supervisor(argv, Path(directory), launcher).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``bert-ds deepspeed``: DeepSpeed's runner under the supervisor."""
+    return supervise(DEEPSPEED, argv)
 
 
 if __name__ == "__main__":

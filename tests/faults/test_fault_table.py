@@ -586,6 +586,9 @@ def check_huge_lr(ctx: Ctx, out: Outcome) -> str:
 
 
 
+E2E = (pytest.mark.e2e,)
+"""A row whose setup needs the trained checkpoint (a 2-rank launch) runs in the whole suite, whatever its level."""
+
 CASES = [
     Case("kill9-rank1-mid-phase1", "1", "kill -9 of rank 1 at phase 1 step 3, then --resume auto", kill_mid_phase1,
          KILLED, r"--local_rank=1.*exits with return code = -9", check_kill_mid_phase1, LAUNCHER_EXIT),
@@ -613,7 +616,8 @@ CASES = [
     Case("flipped-byte-first-open", "2", "one flipped byte in a token id, default --verify-shards size",
          flipped_byte_first_open, 2, r"{culprit}: sha256 mismatch \(index\.json says", check_stopped_at_first_batch),
     Case("flipped-byte-verify-cli", "2", "one flipped byte in a token id, tools/verify_shards.py --level sha256",
-         flipped_byte_verify_cli, 2, r"{culprit}: sha256 mismatch", check_cli_only_reads, r"sha256 mismatch"),
+         flipped_byte_verify_cli, 2, r"{culprit}: sha256 mismatch", check_cli_only_reads, r"sha256 mismatch",
+         level=IN_PROCESS),
     Case("token-id-over-vocab", "3", "token id 4007 >= vocab 4000, index.json re-hashed", token_id_over_vocab, 2,
          r"{culprit}: field 'input_ids' holds token id 4007 \(slot \d+\), not below index\.json vocab_size=4000",
          check_stopped_at_first_batch),
@@ -638,9 +642,9 @@ CASES = [
     Case("pickle-resume", "6", "a pickle planted in rank 1's ZeRO optimizer file, --resume auto", pickle_resume, 2,
          r"{culprit}: refused to load.*posix\.system", check_pickle),
     Case("pickle-evaluate", "6", "a pickle planted in the model states, tools/evaluate.py", pickle_evaluate, 2,
-         r"{culprit}: refused to load.*posix\.system", check_pickle),
+         r"{culprit}: refused to load.*posix\.system", check_pickle, level=IN_PROCESS, marks=E2E),
     Case("pickle-convert", "6", "a pickle planted in the model states, tools/convert_checkpoint.py", pickle_convert,
-         2, r"{culprit}: refused to load.*posix\.system", check_pickle),
+         2, r"{culprit}: refused to load.*posix\.system", check_pickle, level=IN_PROCESS, marks=E2E),
     Case("second-run-same-output", "7", "a second run on the --output a live run holds", second_run_same_output, 2,
          r"{culprit} is in use by another bert_ds run \(pid \d+ on host", check_second_run),
     Case("disk-full", "8", "1 MiB file-size limit on every rank (EFBIG) at the step-4 save", disk_full, 74,
@@ -650,7 +654,8 @@ CASES = [
          debris_of_killed_prune, 0, r"removed the debris of interrupted saves/prunes: .*{culprit}", check_debris,
          r"removed the debris"),
     Case("train-tokenizer-bad-input", "9", "train_tokenizer on a file with no text", tokenizer_bad_input, 2,
-         r"^bert-ds-train-tokenizer: error: no text to train a tokenizer on in {culprit}", check_tokenizer_bad_input),
+         r"^bert-ds-train-tokenizer: error: no text to train a tokenizer on in {culprit}", check_tokenizer_bad_input,
+         level=IN_PROCESS),
     Case("stale-extension-lock", "10", "torch's deepspeed_shm_comm build lock left by a build killed 2 hours ago",
          stale_extension_lock, 0, r"removing {culprit}: left by an extension build that was killed",
          check_stale_extension_lock, r"removing .*: left by an extension build that was killed"),
@@ -662,7 +667,7 @@ CASES = [
          r"--data {culprit} \(phases\[0\]\)/index\.json: field 'seq_len' is 512 but the run expects 128",
          lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("vocab-mismatch", "input", "a tokenizer with one more token than the shards'", vocab_mismatch, 2,
-         r"field 'vocab_(sha256|size)'", lambda ctx, out: _nothing_written(ctx.run)),
+         r"field 'vocab_(sha256|size)'", lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("missing-shard", "input", "shard-000003.tar deleted", missing_shard, 2,
          r"s128/shard-000003\.tar: missing", lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),
     Case("truncated-shard", "input", "shard-000002.tar cut by 10 KiB", truncated_shard, 2,
@@ -674,7 +679,7 @@ CASES = [
          level=IN_PROCESS),
     Case("resume-changed-recipe", "input", "--resume auto with phases[0].warmup_fraction changed",
          resume_changed_recipe, 2, r"different recipe; field\(s\) \['phases\[0\]\.warmup_fraction'\] differ",
-         check_run_unchanged),
+         check_run_unchanged, level=IN_PROCESS, marks=E2E),
     Case("batch-not-divisible", "input", "global batch 4 with micro batch 4 on 2 ranks", batch_not_divisible, 2,
          r"phases\[0\]\.global_batch_size=4 is not divisible by phases\[0\]\.micro_batch_size=4 x world size 2",
          lambda ctx, out: _nothing_written(ctx.run), level=IN_PROCESS),

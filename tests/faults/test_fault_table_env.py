@@ -33,19 +33,18 @@ from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.downstream_data import MINILM
 from tests.helpers.faults import (
     ERROR_LINE,
+    IN_PROCESS,
     FaultContext,
     Launch,
     Outcome,
-    execute,
     fault_recipe,
     limit_file_size,
     report_row,
+    run,
     tree_bytes,
 )
 from tests.helpers.faults import FaultCase as Case
 from tests.helpers.ranks import REPO, rank_command
-
-pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 
@@ -219,48 +218,62 @@ def check_forged_index(ctx: Ctx, out: Outcome) -> str:
 
 
 
+E2E = (pytest.mark.e2e,)
+"""The rows that launch: ranks, two tools racing, a tool under a resource limit (the whole suite)."""
+
 CASES = [
     Case("create-shards-second-on-one-out", "6", "a second bert-ds-create-shards on the --out of one still writing",
          second_create_on_one_out,
-         message=r"being written by another create_shards \(pid {culprit}", check=check_second_create),
+         message=r"being written by another create_shards \(pid {culprit}", check=check_second_create,
+         marks=E2E),
     Case("master-port-in-use", "7", "deepspeed --master_port P while another process listens on P, 2 ranks",
-         master_port_in_use, message=r"MASTER_PORT={culprit} is already in use", check=_nothing_written),
+         master_port_in_use, message=r"MASTER_PORT={culprit} is already in use", check=_nothing_written,
+         marks=E2E),
     Case("output-is-a-file", "7", "--output names an existing file, 2 ranks", output_is_a_file,
-         message=r"--output {culprit}: {culprit} is a file, not a directory", check=check_output_is_a_file),
+         message=r"--output {culprit}: {culprit} is a file, not a directory", check=check_output_is_a_file,
+         level=IN_PROCESS),
     Case("output-read-only-fs", "7", "--output on a read-only tmpfs, 2 ranks", output_read_only,
-         message=r"{culprit} is on a read-only file system", check=check_read_only),
+         message=r"{culprit} is on a read-only file system", check=check_read_only,
+         level=IN_PROCESS),
     Case("finetune-10mb-csv-cell", "7", "bert-ds-finetune --train a CSV with a 10 MB cell", csv_huge_cell,
          message=r"{culprit}: line 3, column 1: line longer than " + str(8 * MAX_CELL_CHARS) + " bytes",
-         check=check_no_finetune_output),
+         check=check_no_finetune_output,
+         level=IN_PROCESS),
     Case("finetune-non-utf8-csv", "7", "bert-ds-finetune --train a Latin-1 CSV", csv_not_utf8,
-         message=r"{culprit}: line 3, column 4: not UTF-8 \(byte 0xe9\)", check=check_no_finetune_output),
+         message=r"{culprit}: line 3, column 4: not UTF-8 \(byte 0xe9\)", check=check_no_finetune_output,
+         level=IN_PROCESS),
     Case("train-tokenizer-disk-full", "7", "bert-ds-train-tokenizer with writes failing past 4 KiB (RLIMIT_FSIZE)",
          tokenizer_disk_full, ExitCode.IO_ERROR,
-         message=r"writing vocab\.txt for {culprit}.*File too large", check=check_tokenizer_disk_full),
+         message=r"writing vocab\.txt for {culprit}.*File too large", check=check_tokenizer_disk_full,
+         marks=E2E),
     Case("index-total-samples-2e8", "8", "phase-1 index.json total_samples 2e8, 2 ranks",
          _forged_index(total_samples=200_000_000),
          message=r"{culprit}: field 'total_samples' is 200000000, but its shards "
-         r"hold \d+", check=check_forged_index),
+         r"hold \d+", check=check_forged_index,
+         level=IN_PROCESS),
     Case("index-total-samples-1e30", "8", "phase-1 index.json total_samples 1e30, 2 ranks",
          _forged_index(total_samples=1e30),
          message=r"{culprit}: field 'total_samples' is 1e\+30, need a non-negative integer",
-         check=check_forged_index),
+         check=check_forged_index,
+         level=IN_PROCESS),
     Case("index-max-predictions-string", "8", "phase-1 index.json masking.max_predictions \"20\", 2 ranks",
          _forged_index(**{"masking.max_predictions": "20"}),
          message=r"{culprit}: field 'masking.max_predictions' is '20', "
-         r"need an integer", check=check_forged_index),
+         r"need an integer", check=check_forged_index,
+         level=IN_PROCESS),
     Case("index-max-predictions-1e15", "8", "phase-1 index.json masking.max_predictions 1e15, 2 ranks",
          _forged_index(**{"masking.max_predictions": 10**15}), message=r"{culprit}: field 'masking.max_predictions' is "
-         r"1000000000000000", check=check_forged_index),
+         r"1000000000000000", check=check_forged_index,
+         level=IN_PROCESS),
 ]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
 def test_fault(case: Case, request, tmp_path, english_corpus, shards_128, shards_512, tokenizer_dir):
     ctx = Ctx(tmp=tmp_path, request=request, s128=shards_128, s512=shards_512, tokenizer=tokenizer_dir,
               corpus=english_corpus)
     with ctx.cleanup:
-        out = execute(case.setup(ctx))
+        out = run(case, case.setup(ctx))
         errors = [ln.rstrip("\n") for ln in out.lines if re.search(ERROR_LINE, ln) or re.search(r"\berror: ", ln)]
         message = errors[0] if errors else None
         lost = "not checked (an assertion above failed)"

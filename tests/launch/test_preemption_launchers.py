@@ -1,8 +1,9 @@
 """Pre-emption under the other documented launchers: the command a requeue script runs exits 75 after a checkpoint,
 with no process left (issue 23 item 1). One node's ``bert-ds deepspeed`` is in
 ``tests/faults/test_fault_table_preemption.py``; here two ``bert-ds deepspeed --no_ssh --node_rank`` launchers on
-this machine (two "nodes", each signalled as Slurm signals every node's step) and ``mpirun -np 2`` (Open MPI forwards
-SIGUSR1 to the ranks; a TERM to ``mpirun`` ends the job, see docs/launching.md)."""
+this machine (two "nodes", each signalled as Slurm signals every node's step), ``mpirun -np 2`` with SIGUSR1 (Open MPI
+forwards it to the ranks) and ``bert-ds mpirun -np 2`` with SIGTERM to the command, its group or ``mpirun`` alone (a
+bare ``mpirun`` ends the job on TERM: exit 1, ranks killed before saving; see docs/launching.md)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.runtime.launch import hosts_from_list, write_hostfile
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.faults import ORPHAN_GRACE_S, fault_recipe
 from tests.helpers.ranks import PRETRAIN_SCRIPT, REPO
+from tests.helpers.runs import weights
 
 pytestmark = pytest.mark.e2e
 
@@ -31,9 +35,11 @@ def _args(tmp: Path, shards_128: Path, shards_512: Path, tokenizer: Path) -> lis
             "--tokenizer", str(tokenizer), "--output", str(tmp / "run"), "--num-workers", "1"]
 
 
-def _run_and_signal(cmds: list[list[str]], logs: list[Path], sig: int, env: dict[str, str]) -> tuple[list[int], list]:
+def _run_and_signal(cmds: list[list[str]], logs: list[Path], sig: int | Callable[[subprocess.Popen], None],
+                    env: dict[str, str]) -> tuple[list[int], list]:
     """Start ``cmds`` (each its own session); at the first ``step 3 |`` in the first log send ``sig`` to each
-    command; return their exit codes and the processes of their trees still alive after ``ORPHAN_GRACE_S``."""
+    command (or call ``sig(process)``); return their exit codes and the processes of their trees still alive after
+    ``ORPHAN_GRACE_S``."""
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                               start_new_session=True) for cmd, log in zip(cmds, logs, strict=True)]
     seen: dict[int, psutil.Process] = {}
@@ -46,7 +52,7 @@ def _run_and_signal(cmds: list[list[str]], logs: list[Path], sig: int, env: dict
                 pass
         if not signalled and re.search(r"^step 3 \|", logs[0].read_text(), re.M):
             for p in procs:
-                p.send_signal(sig)
+                sig(p) if callable(sig) else p.send_signal(sig)
             signalled = True
         time.sleep(0.2)
     for p in procs:
@@ -64,9 +70,13 @@ def _run_and_signal(cmds: list[list[str]], logs: list[Path], sig: int, env: dict
 
 
 def _preempted_tag(run: Path, text: str) -> str:
-    message = re.search(r"pre-empted: checkpointed at phase (\d) step (\d+); exit 75", text)
-    assert message, text[-4000:]
-    tag = f"phase{message[1]}-step{int(message[2]):06d}"
+    """The tag a pre-empted run left: the one it saved, or (signalled between a phase's end and the next phase's
+    first step) the one it stopped after."""
+    saved = re.search(r"pre-empted: checkpointed at phase (\d) step (\d+); exit 75", text)
+    before = re.search(r"pre-empted before phase \d step 1 \(.*\): nothing trained or written since (\S+); exit 75",
+                       text)
+    assert saved or before, text[-4000:]
+    tag = f"phase{saved[1]}-step{int(saved[2]):06d}" if saved else before[1]
     assert ckpt.read_latest(run / "checkpoints") == tag
     return tag
 
@@ -95,3 +105,49 @@ def test_mpirun_usr1_exits_75(shards_128, shards_512, tokenizer_dir, tmp_path):
     assert codes == [75], (codes, log.read_text()[-4000:])
     assert not left, left
     _preempted_tag(tmp_path / "run", log.read_text())
+
+
+def _mpirun_args(tmp: Path, shards_128: Path, shards_512: Path, tokenizer: Path) -> list[str]:
+    return ["--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT", "-x", "PYTHONPATH", "-x",
+            "OMP_NUM_THREADS", sys.executable, "-m", "bert_ds.runtime.pretrain",
+            *_args(tmp, shards_128, shards_512, tokenizer)]
+
+
+def _signal_mpirun_alone(sig: int):
+    """What ``kill <pid of mpirun>`` does: the signal reaches ``mpirun`` and nothing else."""
+    def send(proc: subprocess.Popen) -> None:
+        mpirun = next(p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "mpirun")
+        mpirun.send_signal(sig)
+    return send
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("target", ["command", "group", "mpirun"])
+def test_supervised_mpirun_sigterm_exits_75_and_resumes_exactly(target, shards_128, shards_512, tokenizer_dir,
+                                                                 tmp_path):
+    cmd = [sys.executable, "-m", "bert_ds.cli", "mpirun", *_mpirun_args(tmp_path, shards_128, shards_512,
+                                                                        tokenizer_dir)]
+    log = tmp_path / "mpirun.log"
+    send = {"command": lambda p: p.send_signal(signal.SIGTERM), "group": lambda p: os.killpg(p.pid, signal.SIGTERM),
+            "mpirun": _signal_mpirun_alone(signal.SIGTERM)}[target]
+    env = child_env(MASTER_PORT=str(free_port()))
+    codes, left = _run_and_signal([cmd], [log], send, env)
+    text = log.read_text()
+    assert codes == [75], (codes, text[-4000:])
+    assert not left, left
+    tag = _preempted_tag(tmp_path / "run", text)
+    if target != "group":
+        return
+    # the group row also resumes: --resume auto reproduces the uninterrupted run's final weights bit for bit
+    done = subprocess.run(cmd + ["--resume", "auto"], cwd=REPO, env=child_env(MASTER_PORT=str(free_port())),
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 0, (tag, done.stdout[-3000:], done.stderr[-3000:])
+    reference = tmp_path / "reference"
+    ref_cmd = [a if a != str(tmp_path / "run") else str(reference) for a in cmd]
+    ref = subprocess.run(ref_cmd, cwd=REPO, env=child_env(MASTER_PORT=str(free_port())), capture_output=True,
+                         text=True, timeout=HANG_GUARD_S)
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    final = ckpt.read_latest(reference / "checkpoints")
+    assert ckpt.read_latest(tmp_path / "run" / "checkpoints") == final
+    got, want = weights(tmp_path / "run", final), weights(reference, final)
+    assert all(torch.equal(got[k], want[k]) for k in want), "the resumed run differs from the uninterrupted one"

@@ -32,6 +32,19 @@ def test_the_job_exit_code(reports, runner, signalled, want):
     assert supervise.exit_code_of(reports, runner, preempted=signalled) == want
 
 
+@pytest.mark.parametrize(("reports", "runner", "signalled", "want"), [
+    ({11: 0, 12: 0}, 0, False, 0),  # a finished run
+    ({11: 75}, 1, True, 75),  # mpirun aborted the job after rank 11 exited 75 and killed rank 12 on the way: exit 1
+    ({11: 75, 12: 75}, 75, True, 75),
+    ({11: 2, 12: 2}, 2, False, 2),
+    ({11: 1}, 1, False, 1),  # a loader worker died on rank 11
+    ({}, 137, False, 137),  # a rank SIGKILLed before reporting: mpirun's own code
+    ({}, -15, True, 75),  # mpirun TERMed (not through the supervisor) during start-up
+])
+def test_the_job_exit_code_under_mpirun(reports, runner, signalled, want):
+    assert supervise.exit_code_of(reports, runner, preempted=signalled, runner_knows=False) == want
+
+
 def test_a_rank_reports_only_under_a_supervisor(tmp_path, monkeypatch):
     monkeypatch.delenv(supervise.DIR_ENV, raising=False)
     supervise.arm()
@@ -44,9 +57,10 @@ def test_a_rank_reports_only_under_a_supervisor(tmp_path, monkeypatch):
     assert (tmp_path / f"exit.{os.getpid()}").read_text() == "75"
 
 
-def test_no_arguments_is_refused_before_anything_starts():
-    proc = subprocess.run([sys.executable, "-m", "bert_ds.runtime.supervise"], capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)
+@pytest.mark.parametrize(("module", "launcher"), [("bert_ds.runtime.supervise", "deepspeed"),
+                                                  ("bert_ds.runtime.supervise_mpirun", "mpirun")])
+def test_no_arguments_is_refused_before_anything_starts(module, launcher):
+    proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc
-    assert "error: give the deepspeed runner's arguments" in proc.stderr
-    assert "runner.py" not in proc.stderr  # DeepSpeed's runner was never started
+    assert f": error: give {launcher}'s arguments" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 2, proc.stderr  # usage and the error: no launcher was started
