@@ -20,6 +20,9 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again only after the job credential expires (slurm.conf(5), cred_expire, default
+# 120 s): the requeue tests idled 2 minutes each on it. 30 s still covers a step launch on a loaded machine.
+AuthInfo=cred_expire=30
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
