@@ -483,10 +483,11 @@ def report_row(case_id: str, item: str, outcome: Outcome, message: str | None, l
     path = os.environ.get(REPORT_ENV)
     if not path:
         return
-    report = Path(path)
-    new = not report.exists() or report.stat().st_size == 0
-    with open(report, "a", encoding="utf-8") as f:
-        if new:
+    import fcntl
+
+    with open(path, "a", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # test processes running side by side (pytest -n) append to one table
+        if os.fstat(f.fileno()).st_size == 0:
             f.write("| case | item | exit | s to exit | first line of the message | what was lost |\n"
                     "|---|---|---|---|---|---|\n")
         f.write(f"| {_cell(case_id)} | {_cell(item)} | {outcome.returncode} | {outcome.seconds:.1f} | "
