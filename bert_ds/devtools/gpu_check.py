@@ -23,7 +23,6 @@ with ``TRITON_INTERPRET`` set for them (triton fixes the mode at import). Result
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 
 import bert_ds.kernels as kernels
+from bert_ds.cli_args import build_parser, option, parse
 from bert_ds.config import BertConfig, model_preset
 from bert_ds.devtools.gpu_rules import (
     RULES,
@@ -772,18 +772,28 @@ def _print_item(item: Item) -> None:
     print(line, flush=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuCheckArgs:
+    """``bert-ds-gpu-check``: where the report goes and how long the training items run."""
+
+    out: Path = Path("gpu_check.json")
+    """JSON report"""
+    steps: int = 10
+    """timed training steps per run"""
+    batch_128: int = option(DEFAULT_BATCH[128], help=f"micro-batch at seq 128 (default: {DEFAULT_BATCH[128]}; halved "
+                            "on out-of-memory)")
+    batch_512: int = option(DEFAULT_BATCH[512], help=f"micro-batch at seq 512 (default: {DEFAULT_BATCH[512]}; halved "
+                            "on out-of-memory)")
+    child: str | None = option(None, choices=sorted(_CHILD_SECTIONS), hidden=True)
+    """internal: run one section in this process and write its items to --out"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bert-ds-gpu-check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON report (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="timed training steps per run (default: %(default)s)")
-    for seq, b in DEFAULT_BATCH.items():
-        parser.add_argument(f"--batch-{seq}", type=int, default=b, dest=f"batch_{seq}",
-                            help=f"micro-batch at seq {seq} (default: %(default)s; halved on out-of-memory)")
-    parser.add_argument("--child", choices=sorted(_CHILD_SECTIONS), help=argparse.SUPPRESS)  # internal
-    return run_main(parser.prog, _check, parser.parse_args(argv))
+    parser = build_parser(GpuCheckArgs, "bert-ds-gpu-check", __doc__.split("\n\n")[0])
+    return run_main(parser.prog, _check, parse(GpuCheckArgs, parser, argv))
 
 
-def _check(args: argparse.Namespace) -> int:
+def _check(args: GpuCheckArgs) -> int:
     if args.child:
         args.out.write_text(json.dumps([dataclasses.asdict(i) for i in _CHILD_SECTIONS[args.child]()]))
         return 0

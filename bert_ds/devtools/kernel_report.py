@@ -14,11 +14,12 @@ architecture it is built for.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
+from bert_ds.cli_args import build_parser, option, parse
 from bert_ds.devtools.recipe_launches import shipped_launches
 from bert_ds.errors import BadInput, run_main
 from bert_ds.kernels import aot
@@ -30,14 +31,23 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-kernel-report`` / ``tools/kernel_report.py``: exit 0 when every build passes its checks, 1 when one
     fails (or, with --controls, when a known-bad variant passes)."""
-    parser = argparse.ArgumentParser(prog="bert-ds-kernel-report", description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, action="append", choices=[t.arch for t in aot.TARGETS],
-                        help="compile for this sm only (repeatable; default: all of %(choices)s)")
-    parser.add_argument("--controls", action="store_true",
-                        help="also build the known-bad variants each check must reject (aot.controls)")
-    parser.add_argument("--json", type=Path, help="write every row (all opcode counts, checks) to this file")
-    parser.add_argument("--sass", metavar="KERNEL", help="print the SASS of the builds of KERNEL instead of the table")
-    return run_main(parser.prog, _report, parser.parse_args(argv))
+    parser = build_parser(ReportArgs, "bert-ds-kernel-report", __doc__.splitlines()[0])
+    return run_main(parser.prog, _report, parse(ReportArgs, parser, argv))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportArgs:
+    """``bert-ds-kernel-report``: which architectures, and what to print or write."""
+
+    arch: list[int] | None = option(None, choices=[t.arch for t in aot.TARGETS],
+                                    help="compile for these sm only (default: all of "
+                                    f"{', '.join(str(t.arch) for t in aot.TARGETS)})")
+    controls: bool = False
+    """also build the known-bad variants each check must reject (aot.controls)"""
+    json: Path | None = None
+    """write every row (all opcode counts, checks) to this file"""
+    sass: str | None = option(None, metavar="KERNEL")
+    """print the SASS of the builds of KERNEL instead of the table"""
 
 
 def recipe_builds(targets) -> tuple[list[aot.Build], dict[str, str]]:
@@ -47,7 +57,7 @@ def recipe_builds(targets) -> tuple[list[aot.Build], dict[str, str]]:
     return aot.builds_from_launches(launches, targets), refused
 
 
-def _report(args: argparse.Namespace) -> int:
+def _report(args: ReportArgs) -> int:
     problem = triton_version_problem()
     if problem is not None:
         raise BadInput(f"cannot build the kernels ahead of time: {problem}")

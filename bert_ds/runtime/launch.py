@@ -9,7 +9,7 @@ ranks from it: host names are then labels, never resolved, and ``--master_addr``
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from bert_ds.cli_args import build_parser, option, parse
 from bert_ds.errors import run_main
 
 __all__ = ["format_hostfile", "hosts_from_list", "hosts_from_slurm", "main", "parse_tasks_per_node", "slurm_hostnames",
@@ -131,23 +132,34 @@ def write_hostfile(path: str | Path, hosts: Sequence[Host]) -> Path:
     return path
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bert-ds-make-hostfile", description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--slurm", action="store_true",
-                     help="the nodes of the current Slurm job (SLURM_JOB_NODELIST, expanded by scontrol); slots from "
-                          "SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE")
-    src.add_argument("--hosts", metavar="LIST", help="hosts in node-rank order: 'a:8,b:8' or 'a b' with --slots")
-    p.add_argument("--slots", type=int, default=None, help="ranks per host (overrides the allocation; default: none)")
-    p.add_argument("--output", "-o", default="-", help="hostfile to write ('-', the default: standard output)")
-    return p.parse_args(argv)
+@dataclasses.dataclass(frozen=True)
+class HostfileArgs:
+    """``bert-ds-make-hostfile``: where the hosts come from and where the hostfile goes."""
+
+    slurm: bool = False
+    """the nodes of the current Slurm job (SLURM_JOB_NODELIST, expanded by scontrol); slots from SLURM_GPUS_ON_NODE,
+    else SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE"""
+    hosts: str | None = option(None, metavar="LIST")
+    """hosts in node-rank order: 'a:8,b:8' or 'a b' with --slots"""
+    slots: int | None = None
+    """ranks per host (overrides the allocation)"""
+    output: str = option("-", flags=("--output", "-o"), help="hostfile to write ('-', the default: standard output)")
+
+    def __post_init__(self) -> None:
+        if self.slurm == (self.hosts is not None):
+            raise ValueError("give exactly one of --slurm and --hosts")
+
+
+def _parse_args(argv: Sequence[str] | None) -> HostfileArgs:
+    parser = build_parser(HostfileArgs, "bert-ds-make-hostfile", __doc__.split("\n\n")[0])
+    return parse(HostfileArgs, parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_main("bert-ds-make-hostfile", _run, _parse_args(argv))
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: HostfileArgs) -> int:
     hosts = hosts_from_slurm(slots=args.slots) if args.slurm else hosts_from_list(args.hosts, args.slots)
     if args.output == "-":
         sys.stdout.write(format_hostfile(hosts))
