@@ -37,6 +37,11 @@ or stopped before the first step; resubmit with ``--resume auto``), 124 a rank m
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a rank: a pre-emption signal during the imports below is recorded, not fatal
+    from bert_ds.runtime import early_signals
+
+    early_signals.catch()
+
 import argparse
 import gc
 import json

@@ -56,11 +56,16 @@ class Preemption:
     """The last such signal this process received (read by the entry point to explain a failure it caused)."""
 
     def __init__(self) -> None:
+        from bert_ds.runtime import early_signals
         from bert_ds.runtime.watchdog import watch_runner
 
         self.requested = False
+        self.while_importing = early_signals.caught() is not None
+        """The signal came while the rank was still importing (recorded by :mod:`bert_ds.runtime.early_signals`)."""
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
+        if self.while_importing:
+            self._handler(early_signals.caught(), None)
         # SIGTERM to the deepspeed runner alone is not forwarded to the ranks (bert_ds.runtime.watchdog).
         watch_runner(lambda: self._handler(signal.SIGTERM, None))
 
@@ -72,7 +77,8 @@ class Preemption:
         """Exit 75 for a signal that came before the first step: nothing was trained, so nothing is saved."""
         if rank == 0:
             name = signal.Signals(Preemption.last_signal or signal.SIGTERM).name
-            print(f"pre-empted {where} ({name} during start-up): nothing trained or written since "
+            when = "while the rank was still importing" if self.while_importing else "during start-up"
+            print(f"pre-empted {where} ({name} {when}): nothing trained or written since "
                   f"{last_tag or 'the start'}; exit {EXIT_PREEMPTED}", flush=True)
         return EXIT_PREEMPTED
 

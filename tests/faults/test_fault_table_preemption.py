@@ -165,3 +165,58 @@ def test_sigterm_during_startup_exits_75_having_written_nothing(reference_run, s
         lost = f"nothing: no checkpoint written; the resumed run's {FINAL_TAG} bit-identical to the uninterrupted run"
     finally:
         report_row(f"startup-{deliver.__name__.strip('_').replace('_', '-')}", "4", out, message, lost)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (``SigCgt`` in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def _signal_while_importing(cmd: list[str], sig: int) -> tuple[int, str]:
+    """Start ``cmd`` and send ``sig`` the moment its process has a handler for it; its exit code and output."""
+    import subprocess
+
+    from tests.helpers import HANG_GUARD_S, child_env
+    from tests.helpers.ranks import REPO
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while proc.poll() is None and not _catches(proc.pid, sig):
+            pass  # a busy poll: the window between that handler and main is the import of torch (seconds)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_a_signal_while_a_rank_imports_exits_75_having_written_nothing(shards_128, shards_512, tokenizer_dir, tmp_path,
+                                                                       sig):
+    """What Slurm's TERM-only pre-emption does to a rank ``srun`` has just started (``slurm/pretrain_common.sh`` runs
+    ``python -m bert_ds.runtime.pretrain``): the signal arrives while it still imports torch and DeepSpeed, seconds
+    before ``main`` arms its handler. Sent as soon as the module's first lines installed the recording handler
+    (bert_ds.runtime.early_signals), it ends the rank with 75 before it joins a process group, nothing written; the
+    line says the signal came while importing (without the early handler the rank died of it: 143, or the handler
+    seen first was main's, "during start-up"). A machine so loaded that the signal reached the rank only after its
+    imports is retried (up to 3 times): every attempt must still exit 75 having written nothing."""
+    name = signal.Signals(sig).name
+    for attempt in range(3):
+        run, recipe = tmp_path / f"run{attempt}", fault_recipe(tmp_path / "recipe.json")
+        code, out = _signal_while_importing(rank_command(1, _args(recipe, shards_128, shards_512, tokenizer_dir, run)),
+                                            sig)
+        assert code == 75, (code, out[-4000:])
+        assert "Traceback" not in out, out[-4000:]
+        assert not run.exists() or not list((run / "checkpoints").glob("phase*")), sorted(run.rglob("*"))
+        line = re.search(rf"^pre-empted before joining the process group \({name} (while the rank was still importing|"
+                         r"during start-up)\): nothing trained or written since the start; exit 75$", out, re.M)
+        assert line, out[-4000:]
+        if line[1].startswith("while"):
+            return
+    raise AssertionError(f"in 3 attempts {name} never reached a rank while it imported: {out[-2000:]}")
