@@ -82,8 +82,17 @@ from bert_ds.data.collate import Collator
 from bert_ds.data.dynamic_masking import DynamicMasking
 from bert_ds.data.epoch_order import EpochOrder
 from bert_ds.data.index import ShardIndex
-from bert_ds.data.mix import (MixChangedError, MixedMicroBatches, MixSchedule, Source, check_source_samples, is_mix,
-                              mix_changes, mix_summary, source_seed)
+from bert_ds.data.mix import (
+    MixChangedError,
+    MixedMicroBatches,
+    MixSchedule,
+    Source,
+    check_source_samples,
+    is_mix,
+    mix_changes,
+    mix_summary,
+    source_seed,
+)
 from bert_ds.data.reader import ShardReader
 from bert_ds.data.workers import LoaderWorkerError, iterate, raise_if_worker_died
 
