@@ -183,12 +183,37 @@ class MixSchedule:
 
 
 class MixReaders:
-    """The sources' readers seen as one by the worker machinery: ``reading`` reaches every reader (a shard number is
-    offset by the shards of the sources before it) and ``shard_path`` names a dead worker's shard in its source."""
+    """The sources' readers seen as one :class:`~bert_ds.data.reader.ShardReader` by a collator and the worker
+    machinery: shards and samples numbered source after source. ``reading`` reaches every reader (a shard number is
+    offset by the shards of the sources before it); ``shard_path`` and ``member_name`` name a shard in its source."""
 
     def __init__(self, readers: Sequence[ShardReader]):
         self.readers = list(readers)
+        self.index = self.readers[0].index  # vocab_size and seq_len: the loader checked every source has the same
         self.offsets = np.concatenate([[0], np.cumsum([r.num_shards for r in self.readers])]).astype(np.int64)
+        self.sample_offsets = np.concatenate([[0], np.cumsum([r.num_samples for r in self.readers])]).astype(np.int64)
+        self.shard_starts = np.concatenate([r.shard_starts[:-1] + o for r, o in
+                                            zip(self.readers, self.sample_offsets, strict=False)] +
+                                           [self.sample_offsets[-1:]]).astype(np.int64)
+        # a list, not a search: looked up once per sample read
+        self._by_shard = [(r, local) for r in self.readers for local in range(r.num_shards)]
+
+    def locate(self, global_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mix-wide sample ids -> (mix-wide shard, index within the shard)."""
+        global_ids = np.asarray(global_ids, dtype=np.int64)
+        shards = np.searchsorted(self.shard_starts, global_ids, side="right") - 1
+        return shards, global_ids - self.shard_starts[shards]
+
+    def _source(self, shard: int) -> tuple[ShardReader, int]:
+        return self._by_shard[shard]
+
+    def sample(self, shard: int, index: int):
+        reader, local = self._source(shard)
+        return reader.sample(local, index)
+
+    def member_name(self, shard: int, index: int) -> str:
+        reader, local = self._source(shard)
+        return reader.member_name(local, index)
 
     @property
     def reading(self):
@@ -200,8 +225,8 @@ class MixReaders:
             reader.reading = None if view is None else _OffsetSlot(view, int(offset))
 
     def shard_path(self, shard: int) -> tuple[Path, str]:
-        s = int(np.searchsorted(self.offsets, shard, side="right")) - 1
-        return self.readers[s].shard_path(shard - int(self.offsets[s]))
+        reader, local = self._source(shard)
+        return reader.shard_path(local)
 
 
 class _OffsetSlot:
@@ -216,12 +241,18 @@ class _OffsetSlot:
 
 
 class _MixCollate:
-    """What the loaders' worker machinery asks of a collator: ``reader``, ``seed`` and ``unpack``."""
+    """What the loaders' worker machinery asks of a collator: ``reader``, ``seed`` and ``unpack``; with static masks
+    one collator reads the whole micro batch through :class:`MixReaders` (``whole``)."""
 
     def __init__(self, collators: Sequence[Collator], seed: int):
         self.collators = list(collators)
         self.reader = MixReaders([c.reader for c in collators])
         self.seed = seed
+        first = self.collators[0]
+        self.whole = None
+        if first.dynamic is None:  # static masks depend on no seed or epoch: one pass over every source's rows
+            self.whole = Collator(self.reader, seq_len=first.seq_len, max_predictions=first.max_predictions,
+                                  dynamic_masking=None, seed=seed)
 
     def unpack(self, flat: np.ndarray):
         return self.collators[0].unpack(flat)
@@ -240,29 +271,36 @@ class MixedMicroBatches:
         self.rank = rank
         self.world_size = world_size
         self.accumulation = global_batch_size // (micro_batch_size * world_size)
+        self.sizes = np.asarray([o.num_samples for o in self.orders], dtype=np.int64)
 
     def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source, source epoch, sample id within the source) of each row of micro batch ``m``."""
         batch, micro_step = divmod(m, self.accumulation)
         start = (micro_step * self.world_size + self.rank) * self.micro_batch_size
         everything = self.schedule.batch_sources(batch)
-        rows_source = everything[start:start + self.micro_batch_size]
-        before = self.schedule.counts_before(batch) + np.bincount(everything[:start], minlength=len(self.orders))
-        epochs = np.zeros(len(rows_source), dtype=np.int64)
-        ids = np.zeros(len(rows_source), dtype=np.int64)
-        for s in np.unique(rows_source):
-            rows = np.flatnonzero(rows_source == s)
-            order = self.orders[s]
-            k = int(before[s]) + np.arange(len(rows))  # this source's samples are consecutive in its stream
-            epochs[rows] = k // order.num_samples
-            for e in np.unique(epochs[rows]):
-                hit = rows[epochs[rows] == e]
-                first = int(k[0] + np.searchsorted(rows, hit[0])) % order.num_samples
-                ids[hit] = order.ids(int(e), first, first + len(hit))
-        return rows_source, epochs, ids
+        src = everything[start:start + self.micro_batch_size]
+        n_sources = len(self.orders)
+        before = self.schedule.counts_before(batch) + np.bincount(everything[:start], minlength=n_sources)
+        one_hot = src[:, None] == np.arange(n_sources)
+        rank_in_source = np.cumsum(one_hot, axis=0)[np.arange(len(src)), src] - 1
+        k = before[src] + rank_in_source  # each source's samples are consecutive in its own stream
+        sizes = self.sizes[src]
+        epochs, positions = k // sizes, k % sizes
+        ids = np.zeros(len(src), dtype=np.int64)
+        for s in np.flatnonzero(one_hot.any(axis=0)):
+            rows = np.flatnonzero(src == s)
+            while rows.shape[0]:  # one run per source epoch touched (two where the source starts its next epoch)
+                run = rows[epochs[rows] == epochs[rows[0]]]
+                first = int(positions[run[0]])
+                ids[run] = self.orders[s].ids(int(epochs[run[0]]), first, first + len(run))
+                rows = rows[len(run):]
+        return src, epochs, ids
 
     def __getitem__(self, m: int) -> np.ndarray:
         sources, epochs, ids = self.sample_refs(m)
+        if self.collate.whole is not None:
+            return self.collate.whole(self.collate.reader.sample_offsets[sources] + ids, 0)
+        # dynamic masks are keyed by each source's seed and epoch: one collator call per (source, epoch)
         collators = self.collate.collators
         out = np.zeros(len(ids) * collators[0].row_width(), dtype=np.int32)
         for s, e in sorted({(int(s), int(e)) for s, e in zip(sources, epochs, strict=True)}):
