@@ -26,8 +26,8 @@ from bert_ds.config import BertConfig
 from bert_ds.data.batch import MODEL_INPUTS
 from bert_ds.errors import run_main
 
-__all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "load_checkpoint_model", "recipe_kernels", "evaluate_checkpoint",
-           "main"]
+__all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "evaluate_sources", "load_checkpoint_model", "recipe_kernels",
+           "evaluate_checkpoint", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,30 @@ def evaluate(model: nn.Module, eval_loader: Iterable[dict], device: torch.device
     initialised every rank must call this (each on its own slice of the data); the sums are all-reduced, so every
     rank returns the same global numbers.
     """
+    sums, has_nsp = _eval_sums(model, eval_loader, device, max_batches)
+    return _metrics(sums, has_nsp)
+
+
+def evaluate_sources(model: nn.Module, loaders: dict[str, Iterable[dict]], device: torch.device | str | None = None,
+                     *, max_batches: int | None = None) -> dict:
+    """:func:`evaluate` over several held-out sets: the metrics of all of them together (summed counts, not a mean
+    of accuracies) plus ``sources``, name -> that set's own metrics. ``max_batches`` applies to each set."""
+    per_source, total, any_nsp = {}, None, False
+    for name, loader in loaders.items():
+        sums, has_nsp = _eval_sums(model, loader, device, max_batches)
+        per_source[name] = _metrics(sums, has_nsp)
+        total = sums if total is None else total + sums
+        any_nsp = any_nsp or has_nsp
+    if total is None:
+        raise ValueError("evaluate_sources: no eval sets given")
+    return {**_metrics(total, any_nsp), "sources": per_source}
+
+
+@torch.no_grad()
+def _eval_sums(model: nn.Module, eval_loader: Iterable[dict], device: torch.device | str | None,
+               max_batches: int | None) -> tuple[torch.Tensor, bool]:
+    """The running-sum vector (slots ``_MLM_CORRECT``...) over ``eval_loader``, all-reduced over ranks, and whether
+    the batches carried NSP labels."""
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be >= 1 or None, got {max_batches!r}")
     device = torch.device(device) if device is not None else _model_device(model)
@@ -90,6 +114,10 @@ def evaluate(model: nn.Module, eval_loader: Iterable[dict], device: torch.device
         flag = torch.tensor([float(has_nsp)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a rank with no batches still agrees on the NSP entries
         has_nsp = bool(flag.item())
+    return sums, has_nsp
+
+
+def _metrics(sums: torch.Tensor, has_nsp: bool) -> dict:
     s = sums.tolist()
     if s[_SAMPLES] == 0:
         raise ValueError("evaluate: the eval loader yielded no batches")
@@ -162,25 +190,23 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
                         num_workers: int = 0, kernels: str | None = None) -> dict:
     """Evaluate a training checkpoint on a shard set whose vocabulary must be the checkpoint's tokenizer's.
 
-    ``kernels`` None uses the run's recipe (:func:`recipe_kernels`); ``auto`` off CUDA runs the torch twins with one
-    warning. Adds ``checkpoint`` and ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError
-    with the offending path for a missing or incompatible checkpoint or data directory."""
-    from bert_ds.data.index import ShardIndex
+    ``data_dir`` may list several sets, ``DIR,DIR``: the metrics are then those of all sets together plus
+    ``sources`` (directory name -> that set's metrics, :func:`evaluate_sources`). ``kernels`` None uses the run's
+    recipe (:func:`recipe_kernels`); ``auto`` off CUDA runs the torch twins with one warning. Adds ``checkpoint`` and
+    ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError with the offending path for a
+    missing or incompatible checkpoint or data directory."""
     from bert_ds.data.loader import build_eval_loader
+    from bert_ds.data.mix import parse_sources
     from bert_ds.data.tokenizer import load_tokenizer
 
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"{data_dir}: eval data directory does not exist")
-    index = ShardIndex.load(data_dir)
+    sources = parse_sources(str(data_dir), "--data", weighted=False)
+    indexes = [_load_eval_set(Path(s.path)) for s in sources]
     with reading_tag(checkpoint_dir, tag) as held:  # pruning by a live training run skips the tag meanwhile
         ref = open_checkpoint(checkpoint_dir, held)  # also verifies the tag's checksums
         config: BertConfig = ref.config
         vocab_hash = load_tokenizer(ref.tokenizer_dir).vocab_sha256  # the hash training checked its shards against
-        index.check_compatible(vocab_sha256=vocab_hash, vocab_size=config.vocab_size, where=str(data_dir))
-        if index.seq_len > config.max_position_embeddings:
-            raise ValueError(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "
-                             f"max_position_embeddings={config.max_position_embeddings}")
+        for s, index in zip(sources, indexes, strict=True):
+            _check_eval_set(Path(s.path), index, vocab_hash, config)
 
         # Compatibility first: consolidating a large ZeRO checkpoint takes a while and should not precede a refusal.
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -191,12 +217,33 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
         log.warning("kernels 'auto' (%s): no Triton kernels on %s, evaluating with the torch implementations",
                     kernels_source, device.type)
     model.to(device)
-    loader = build_eval_loader(data_dir, micro_batch_size=batch_size, num_workers=num_workers,
-                               expected_vocab_sha256=vocab_hash)
-    log.info("evaluating %s (tag %s) on %s: %d samples, seq_len %d, device %s, kernels %s (%s)", ref.checkpoint_dir,
-             ref.tag, data_dir, index.total_samples, index.seq_len, device, kernels, kernels_source)
-    metrics = evaluate(model, loader, device, max_batches=max_batches)
+    loaders = {s.name: build_eval_loader(s.path, micro_batch_size=batch_size, num_workers=num_workers,
+                                         expected_vocab_sha256=vocab_hash) for s in sources}
+    for s, index in zip(sources, indexes, strict=True):
+        log.info("evaluating %s (tag %s) on %s: %d samples, seq_len %d, device %s, kernels %s (%s)",
+                 ref.checkpoint_dir, ref.tag, s.path, index.total_samples, index.seq_len, device, kernels,
+                 kernels_source)
+    if len(sources) == 1:
+        metrics = evaluate(model, loaders[sources[0].name], device, max_batches=max_batches)
+    else:
+        metrics = evaluate_sources(model, loaders, device, max_batches=max_batches)
     return {**metrics, "checkpoint": str(ref.checkpoint_dir), "tag": ref.tag}
+
+
+def _load_eval_set(data_dir: Path):
+    from bert_ds.data.index import ShardIndex
+
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"{data_dir}: eval data directory does not exist")
+    return ShardIndex.load(data_dir)
+
+
+def _check_eval_set(data_dir: Path, index, vocab_hash: str, config: BertConfig) -> None:
+    """Refuse (naming the directory) a set whose vocabulary or sequence length does not fit the checkpoint."""
+    index.check_compatible(vocab_sha256=vocab_hash, vocab_size=config.vocab_size, where=str(data_dir))
+    if index.seq_len > config.max_position_embeddings:
+        raise ValueError(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "
+                         f"max_position_embeddings={config.max_position_embeddings}")
 
 
 _EVALUATE_DEFAULTS = defaults_of(evaluate_checkpoint)
@@ -211,7 +258,7 @@ class EvaluateArgs:
     tag: str | None = _EVALUATE_DEFAULTS["tag"]
     """Checkpoint tag (default: the one named in 'latest')."""
     data: str = option(help="shard directory with index.json (e.g. made with bert-ds-create-shards from held-out "
-                       "text)")
+                       "text); DIR,DIR evaluates each set on its own ('sources' in the JSON) and all together")
     batch_size: int = _EVALUATE_DEFAULTS["batch_size"]
     """Sequences per forward pass."""
     max_batches: int | None = _EVALUATE_DEFAULTS["max_batches"]
@@ -233,7 +280,8 @@ class EvaluateArgs:
 
 def main(argv: list[str] | None = None) -> int:
     """``bert-ds-evaluate`` / ``tools/evaluate.py``: exit 0 with one JSON line (mlm_accuracy, nsp_accuracy, mlm_loss,
-    nsp_loss, samples, masked_tokens, checkpoint, tag) on stdout, 2 for a missing or incompatible input."""
+    nsp_loss, samples, masked_tokens, checkpoint, tag; with several ``--data`` sets also ``sources``, each set's own
+    metrics) on stdout, 2 for a missing or incompatible input."""
     parser = build_parser(EvaluateArgs, "bert-ds-evaluate", "Evaluate a bert_ds training checkpoint on a held-out "
                           "shard set; prints one JSON line on stdout, everything else on stderr.")
     args = parse(EvaluateArgs, parser, argv)

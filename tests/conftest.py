@@ -52,6 +52,22 @@ def shards_512(english_corpus, tokenizer_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def mix_shards_128(tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
+    """Seq-128 shard sets of two different real texts, one per source of a mix: ``licenses`` (every licence text,
+    ~1.1k samples) and ``stdlib`` (standard-library docstrings, ~3.9k samples), in shards of 300 samples."""
+    from bert_ds.data.create import create_shards
+    from bert_ds.data.english_corpus import build_corpus_by_kind
+
+    root = tmp_path_factory.mktemp("mix_sources")
+    out = {}
+    for name, text in build_corpus_by_kind(root / "text").items():
+        out[name] = root / f"{name}128"
+        create_shards([text], tokenizer_dir, out[name], seq_len=128, dupe_factor=2, seed=1234,
+                      samples_per_shard=300, progress=False)
+    return out
+
+
 def read_shard_set(directory: Path) -> list[tuple[str, str, object]]:
     """Every sample of a shard set as (shard name, member name, ``Sample``), in index order."""
     import tarfile

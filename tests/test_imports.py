@@ -45,6 +45,7 @@ DATA_STAGES = {
     "epoch_order": 7,  # the loader's per-epoch sample order
     "collate": 7,  # samples -> one packed micro batch (read, mask, check)
     "workers": 7,  # the loader's DataLoader worker processes; a dead worker named
+    "mix": 7,  # weighted mixes of shard sets: which source each position of a global batch reads
     "loader": 7,  # samples -> batches, rank/worker split, resumable state
 }
 """Stage of each ``bert_ds.data`` module in the pipeline text -> tokenizer -> pairs -> masking -> format -> index ->

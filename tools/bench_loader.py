@@ -5,8 +5,11 @@
 
 Prints samples/s for: reading every member with ``tarfile`` (what a streaming tar reader does), slicing every
 member out of the mmap (the floor of :class:`~bert_ds.data.reader.ShardReader`), and the training loader with
-``num_workers`` = 0 (in process), 1 and 2, each also divided per worker. A benchmark, not a test: numbers depend
-on the machine and its load.
+``num_workers`` = 0 (in process), 1 and 2, each also divided per worker. With ``--mix`` also the loader over three
+weighted sources (5:3:2) against one source of as many samples, alternated in the same run (best of ``--repeats``
+each), and the mix's cost in percent. A benchmark, not a test: numbers depend on the machine and its load.
+
+    python tools/bench_loader.py --mix --workers 0     # + 3 weighted sources vs one, same run
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from pathlib import Path
 
 from bert_ds.data.index import ShardIndex
-from bert_ds.data.loader import DynamicMasking, build_loader
+from bert_ds.data.loader import DynamicMasking, Source, build_loader
 from bert_ds.data.reader import ShardReader
 from bert_ds.data.synthetic import write_synthetic_shards
 from bert_ds.data.tokenizer import SPECIAL_TOKENS
@@ -50,9 +53,10 @@ def bench_mmap_slices(data_dir: Path) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-def bench_loader(data_dir: Path, *, num_workers: int, micro_batch_size: int, batches: int,
-                 dynamic: DynamicMasking | None) -> tuple[int, float]:
-    loader = build_loader(data_dir, global_batch_size=micro_batch_size, micro_batch_size=micro_batch_size,
+def bench_loader(data_dir: Path | list[Source], *, num_workers: int, micro_batch_size: int, batches: int,
+                 dynamic: DynamicMasking | None, global_batch_size: int | None = None) -> tuple[int, float]:
+    loader = build_loader(data_dir, global_batch_size=global_batch_size or micro_batch_size,
+                          micro_batch_size=micro_batch_size,
                           num_workers=num_workers, dynamic_masking=dynamic, prefetch_factor=4)
     it = iter(loader)
     warmup = max(2, 2 * num_workers)  # worker start-up and first shard opens are not steady state
@@ -61,6 +65,42 @@ def bench_loader(data_dir: Path, *, num_workers: int, micro_batch_size: int, bat
     t0 = time.perf_counter()
     n = sum(len(batch["lengths"]) for batch in itertools.islice(it, batches))
     return n, time.perf_counter() - t0
+
+
+MIX_WEIGHTS = (5.0, 3.0, 2.0)
+
+
+def bench_mix(single: Path, sources: list[Source], *, num_workers: int, micro_batch_size: int, batches: int,
+              repeats: int, global_batch_size: int) -> list[tuple[str, int, float, int]]:
+    """One source vs the weighted mix, alternated ``repeats`` times (best of each, so a burst of load on a shared
+    machine hits both alike), plus the cost row."""
+    best: dict[str, tuple[int, float]] = {}
+    for _ in range(repeats):
+        for label, data in (("one source", single), ("3 weighted sources", sources)):
+            n, dt = bench_loader(data, num_workers=num_workers, micro_batch_size=micro_batch_size, batches=batches,
+                                 dynamic=None, global_batch_size=global_batch_size)
+            if label not in best or n / dt > best[label][0] / best[label][1]:
+                best[label] = (n, dt)
+    rows = [(f"loader {label} workers={num_workers} G={global_batch_size}", *best[label], max(num_workers, 1))
+            for label in best]
+    one, mix = (n / dt for n, dt in best.values())
+    print(f"mix of 3 weighted sources (5:3:2) vs one source, num_workers={num_workers}, global batch "
+          f"{global_batch_size}, micro batch {micro_batch_size}: {mix:.0f} vs {one:.0f} "
+          f"samples/s, the mix costs {100 * (1 - mix / one):.1f}%")
+    return rows
+
+
+def _write_mix(root: Path, samples: int, samples_per_shard: int) -> tuple[Path, list[Source]]:
+    """A synthetic single set of ``samples`` and three sets of a third each (other seeds), seq 128."""
+    single = root / "single"
+    write_synthetic_shards(single, num_samples=samples, samples_per_shard=samples_per_shard, seq_len=128,
+                           max_predictions=20, seed=11, **SYNTHETIC_IDS)
+    sources = []
+    for i, weight in enumerate(MIX_WEIGHTS):
+        write_synthetic_shards(root / f"source{i}", num_samples=samples // 3, samples_per_shard=samples_per_shard,
+                               seq_len=128, max_predictions=20, seed=21 + i, **SYNTHETIC_IDS)
+        sources.append(Source(str(root / f"source{i}"), weight))
+    return single, sources
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,6 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic-masking", action="store_true", help="also time dynamic masking (15%%)")
     parser.add_argument("--tokenizer", type=Path, help="the --data-dir set's tokenizer ([MASK] id for dynamic masking)")
     parser.add_argument("--json", type=Path, help="also write the rows here (tools/benchmark.py reads it)")
+    parser.add_argument("--mix", action="store_true", help="also time 3 weighted synthetic sources vs one source")
+    parser.add_argument("--repeats", type=int, default=3, help="alternations of the --mix comparison")
+    parser.add_argument("--mix-global-batch-size", type=int, nargs="+", default=[64, 1024],
+                        help="global batch sizes of the --mix comparison (the mix draws once per global batch)")
     args = parser.parse_args(argv)
     if args.dynamic_masking and args.data_dir is not None and args.tokenizer is None:
         parser.error("--dynamic-masking on --data-dir needs --tokenizer (the [MASK] id comes from it)")
@@ -100,6 +144,11 @@ def main(argv: list[str] | None = None) -> None:
                                      batches=args.batches, dynamic=dyn)
                 label = f"loader num_workers={w} micro={args.micro_batch_size}" + (" dynamic" if dyn else "")
                 rows.append((label, n, dt, max(w, 1)))
+        if args.mix:
+            single, sources = _write_mix(Path(tmp) / "mix", args.samples, args.samples_per_shard)
+            for w, g in itertools.product(args.workers, args.mix_global_batch_size):
+                rows += bench_mix(single, sources, num_workers=w, micro_batch_size=args.micro_batch_size,
+                                  batches=args.batches, repeats=args.repeats, global_batch_size=g)
         print(f"{'what':46s} {'samples':>8s} {'seconds':>8s} {'samples/s':>10s} {'per worker':>10s}")
         for label, n, dt, workers in rows:
             print(f"{label:46s} {n:8d} {dt:8.2f} {n / dt:10.0f} {n / dt / workers:10.0f}")

@@ -151,6 +151,12 @@ class Collator:
             off += size
         return views
 
+    def place(self, out: np.ndarray, out_rows: int, rows: np.ndarray, part: np.ndarray) -> None:
+        """Copy the rows of ``part`` (a packed batch from :meth:`__call__`) to rows ``rows`` of ``out``, a packed batch
+        of ``out_rows`` rows (a mixed micro batch assembled from its sources' collators)."""
+        for dst, src in zip(self._views(out, out_rows), self._views(part, len(rows)), strict=True):
+            dst[rows] = src
+
     def unpack(self, flat: np.ndarray) -> dict[str, torch.Tensor]:
         """Flat array from :meth:`__call__` -> the batch dict of int64 tensors (contiguous views of one buffer)."""
         b = flat.shape[0] // self.row_width()

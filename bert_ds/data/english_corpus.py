@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bert_ds.data.text import split_sentences
 
-__all__ = ["LICENSES", "CORPUS_CHARS", "build_english_corpus"]
+__all__ = ["LICENSES", "CORPUS_CHARS", "build_english_corpus", "build_corpus_by_kind"]
 
 LICENSES = Path("/usr/share/common-licenses")
 CORPUS_CHARS = 700_000  # ~6k sentences: enough for masking/NSP statistics, small enough to build in seconds
@@ -60,10 +60,24 @@ def _stdlib_documents() -> list[list[str]]:
 def build_english_corpus(path: str | Path, max_chars: int = CORPUS_CHARS) -> Path:
     """Write the corpus to ``path`` in BERT layout (one sentence per line, blank line between documents): licence
     texts first, then standard-library docstrings, until ``max_chars`` characters of sentences; returns ``path``."""
+    return _write_documents(path, _license_documents() + _stdlib_documents(), max_chars)
+
+
+def build_corpus_by_kind(directory: str | Path, max_chars: int = CORPUS_CHARS) -> dict[str, Path]:
+    """Two corpora of different text, one per document kind (for mixes of sources): ``licenses`` (every licence
+    text) and ``stdlib`` (standard-library docstrings, up to ``max_chars``), written in BERT layout under
+    ``directory``; returns name -> file."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return {"licenses": _write_documents(directory / "licenses.txt", _license_documents(), max_chars),
+            "stdlib": _write_documents(directory / "stdlib.txt", _stdlib_documents(), max_chars)}
+
+
+def _write_documents(path: str | Path, documents: list[list[str]], max_chars: int) -> Path:
     path = Path(path)
     chars = 0
     with open(path, "w", encoding="utf-8") as f:
-        for doc in _license_documents() + _stdlib_documents():
+        for doc in documents:
             doc = [s.replace("\n", " ") for s in doc if s.strip()]
             if len(doc) < 2:
                 continue

@@ -70,7 +70,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -82,11 +82,23 @@ from bert_ds.data.collate import Collator
 from bert_ds.data.dynamic_masking import DynamicMasking
 from bert_ds.data.epoch_order import EpochOrder
 from bert_ds.data.index import ShardIndex
+from bert_ds.data.mix import (
+    MixChangedError,
+    MixedMicroBatches,
+    MixSchedule,
+    Source,
+    check_source_samples,
+    is_mix,
+    mix_changes,
+    mix_summary,
+    source_seed,
+)
 from bert_ds.data.reader import ShardReader
 from bert_ds.data.workers import LoaderWorkerError, iterate, raise_if_worker_died
 
 __all__ = [
-    "DynamicMasking", "EpochOrder", "ShardLoader", "EvalLoader", "build_loader", "build_eval_loader",
+    "DynamicMasking", "EpochOrder", "ShardLoader", "MixedShardLoader", "MixChangedError", "Source", "EvalLoader",
+    "build_loader", "build_eval_loader",
     "STATE_FORMAT", "IGNORE_INDEX", "BATCH_KEYS", "LoaderWorkerError", "raise_if_worker_died",
 ]
 
@@ -154,10 +166,10 @@ class _CountFrom(Sampler[int]):
 
 
 # --------------------------------------------------------------------------------------------------------- loaders
-class ShardLoader:
-    """Infinite training loader; see the module docstring for its guarantees. Build it with :func:`build_loader`."""
+class _TrainLoader:
+    """What the single-set and the mixed training loaders share: delivery counting, iteration, the resume position."""
 
-    def __init__(self, dataset: _MicroBatches, *, num_workers: int, prefetch_factor: int, fingerprint: dict):
+    def __init__(self, dataset, *, num_workers: int, prefetch_factor: int, fingerprint: dict):
         self._dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -169,22 +181,8 @@ class ShardLoader:
         return self._dataset.accumulation
 
     @property
-    def batches_per_epoch(self) -> int:
-        """Global batches per epoch (the incomplete tail of each epoch is dropped)."""
-        return self._dataset.batches_per_epoch
-
-    @property
     def consumed_global_batches(self) -> int:
         return self._delivered // self._dataset.accumulation
-
-    @property
-    def epoch(self) -> int:
-        """Epoch of the next micro batch."""
-        return self.consumed_global_batches // self._dataset.batches_per_epoch
-
-    def sample_ids(self, m: int) -> np.ndarray:
-        """Global sample ids of this rank's micro batch ``m`` (counted from the start of training)."""
-        return self._dataset.sample_ids(m)[1]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for batch in iterate(self._dataset, _CountFrom(self._delivered), self.num_workers, self.prefetch_factor,
@@ -192,27 +190,19 @@ class ShardLoader:
             self._delivered += 1
             yield batch
 
-    def state_dict(self) -> dict:
-        """JSON-serialisable position: micro batches delivered to the consumer, as global batches + remainder."""
+    def _position(self) -> dict:
         consumed, into = divmod(self._delivered, self._dataset.accumulation)
-        return {
-            "format": STATE_FORMAT,
-            **self._fingerprint,
-            "consumed_global_batches": consumed,
-            "micro_steps_into_global_batch": into,
-            "world_size": self._dataset.world_size,
-            "micro_batch_size": self._dataset.micro_batch_size,
-            "epoch": consumed // self._dataset.batches_per_epoch,
-        }
+        return {"consumed_global_batches": consumed, "micro_steps_into_global_batch": into,
+                "world_size": self._dataset.world_size, "micro_batch_size": self._dataset.micro_batch_size}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict` (call before iterating). Refuses a state from another data stream, and a
-        mid-global-batch state when the world size or micro batch size changed."""
+    def _check_state(self, state: dict, skip: tuple[str, ...]) -> tuple[int, int]:
+        """Refuse another format, a fingerprint field (but ``skip``) that differs, or a mid-global-batch state saved
+        with another world size or micro batch size; returns (consumed global batches, micro steps into the next)."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"loader state: field 'format' is {state.get('format')!r}, expected {STATE_FORMAT!r}")
         for name, want in self._fingerprint.items():
-            if name == "dynamic_masking":
-                continue  # changing the masking recipe on resume is allowed; it does not move the sample stream
+            if name in skip:
+                continue
             if state.get(name) != want:
                 raise ValueError(f"loader state: field '{name}' is {state.get(name)!r} but this loader has "
                                  f"{want!r}; resuming would not continue the same sample stream")
@@ -227,6 +217,102 @@ class ShardLoader:
                     f"world_size={state.get('world_size')}, micro_batch_size={state.get('micro_batch_size')}); "
                     f"with world_size={self._dataset.world_size}, micro_batch_size={self._dataset.micro_batch_size} "
                     "it can only resume on a global-batch boundary: save at the end of an optimizer step")
+        return consumed, into
+
+
+class ShardLoader(_TrainLoader):
+    """Infinite training loader of one shard set; see the module docstring. Build it with :func:`build_loader`."""
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches per epoch (the incomplete tail of each epoch is dropped)."""
+        return self._dataset.batches_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next micro batch."""
+        return self.consumed_global_batches // self._dataset.batches_per_epoch
+
+    def sample_ids(self, m: int) -> np.ndarray:
+        """Global sample ids of this rank's micro batch ``m`` (counted from the start of training)."""
+        return self._dataset.sample_ids(m)[1]
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position: micro batches delivered to the consumer, as global batches + remainder."""
+        position = self._position()
+        return {
+            "format": STATE_FORMAT,
+            **self._fingerprint,
+            "consumed_global_batches": position["consumed_global_batches"],
+            "micro_steps_into_global_batch": position["micro_steps_into_global_batch"],
+            "world_size": position["world_size"],
+            "micro_batch_size": position["micro_batch_size"],
+            "epoch": position["consumed_global_batches"] // self._dataset.batches_per_epoch,
+        }
+
+    def load_state_dict(self, state: dict, *, continue_with_new_mix: bool = False) -> None:
+        """Resume from :meth:`state_dict` (call before iterating). Refuses a state from another data stream (a mixed
+        run's included, whatever ``continue_with_new_mix`` says), and a mid-global-batch state when the world size
+        or micro batch size changed."""
+        if "mix" in state:
+            names = [entry.get("source") for entry in state["mix"]]
+            raise ValueError(f"loader state: field 'mix' lists {names}: the checkpoint read a weighted mix, this run "
+                             "one unweighted shard set; give --data the mix, or use a new --output")
+        # changing the masking recipe on resume is allowed; it does not move the sample stream
+        consumed, into = self._check_state(state, skip=("dynamic_masking",))
+        self._delivered = consumed * self._dataset.accumulation + into
+
+
+class MixedShardLoader(_TrainLoader):
+    """Infinite training loader of a weighted mix (:mod:`bert_ds.data.mix`). Build it with :func:`build_loader`."""
+
+    def __init__(self, dataset: MixedMicroBatches, sources: list[Source], sizes: list[int], seq_len: int, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.sources = sources
+        self.sizes = sizes
+        self.seq_len = seq_len
+        self.mix_change: str | None = None
+        """What differed from the checkpoint's mix when ``continue_with_new_mix`` let it through (for the log)."""
+
+    def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source index, source epoch, sample id within the source) of each row of this rank's micro batch ``m``."""
+        return self._dataset.sample_refs(m)
+
+    def source_samples(self, global_batch: int) -> np.ndarray:
+        """Samples of each source drawn by global batches ``[0, global_batch)``."""
+        return self._dataset.schedule.counts_before(global_batch)
+
+    def describe(self, steps: int) -> list[str]:
+        """One line per source: weight, samples and epochs over ``steps`` global batches, tokens (padded)."""
+        return mix_summary(self.sources, self.sizes, self.source_samples(steps), self.seq_len, steps)
+
+    def state_dict(self) -> dict:
+        """The position (as :class:`ShardLoader`'s) plus each source's samples drawn before the next global batch."""
+        position = self._position()
+        samples = self.source_samples(position["consumed_global_batches"])
+        return {"format": STATE_FORMAT, **self._fingerprint, **position, "source_samples": samples.tolist()}
+
+    def load_state_dict(self, state: dict, *, continue_with_new_mix: bool = False) -> None:
+        """Resume from :meth:`state_dict` (call before iterating). A state whose mix (sources, weights, order)
+        differs is refused (:class:`MixChangedError`) unless ``continue_with_new_mix``: then the new mix starts at
+        the saved global batch, each source kept goes on where it was, a new one from its start."""
+        if not isinstance(state.get("mix"), list):
+            raise ValueError("loader state: field 'mix' is missing: the checkpoint read one unweighted shard set, "
+                             "this run a weighted mix; an unweighted run cannot become a mix on resume: use the "
+                             "original --data or a new --output")
+        consumed, into = self._check_state(state, skip=("dynamic_masking", "mix"))
+        changes = mix_changes(state["mix"], self._fingerprint["mix"])
+        saved = check_source_samples(state, len(state["mix"]), consumed * self._dataset.global_batch_size)
+        if changes and not continue_with_new_mix:
+            raise MixChangedError(f"loader state: the data mix differs from the checkpoint's: {'; '.join(changes)}")
+        if changes:
+            if into:
+                raise ValueError(f"loader state is {into} micro step(s) into global batch {consumed}: a new mix can "
+                                 "only start on a global-batch boundary")
+            by_sha = {e["shard_set_sha256"]: n for e, n in zip(state["mix"], saved, strict=True)}
+            saved = [by_sha.get(e["shard_set_sha256"], 0) for e in self._fingerprint["mix"]]
+            self.mix_change = "; ".join(changes)
+        self._dataset.schedule.set_base(consumed, np.asarray(saved, dtype=np.int64))
         self._delivered = consumed * self._dataset.accumulation + into
 
 
@@ -284,17 +370,38 @@ def _check_rank(rank: int, world_size: int, micro_batch_size: int, num_workers: 
         raise ValueError(f"num_workers={num_workers}: must be >= 0")
 
 
-def build_loader(data_dir: str | Path, *, global_batch_size: int, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, num_workers: int = 2, expected_seq_len: int | None = None,
-                 expected_vocab_sha256: str | None = None, max_predictions: int | None = None,
-                 dynamic_masking: DynamicMasking | None = None, shuffle: bool = True, verify: str = "sha256",
-                 shuffle_window_shards: int = 8, prefetch_factor: int = 2) -> ShardLoader:
-    """The infinite training loader for this rank; ``gradient_accumulation_steps = G // (M * W)`` must be exact."""
+def build_loader(data_dir: str | Path | Sequence[Source], *, global_batch_size: int, micro_batch_size: int,
+                 rank: int = 0, world_size: int = 1, seed: int = 0, num_workers: int = 2,
+                 expected_seq_len: int | None = None, expected_vocab_sha256: str | None = None,
+                 max_predictions: int | None = None, dynamic_masking: DynamicMasking | None = None,
+                 shuffle: bool = True, verify: str = "sha256", shuffle_window_shards: int = 8,
+                 prefetch_factor: int = 2) -> ShardLoader | MixedShardLoader:
+    """The infinite training loader for this rank; ``gradient_accumulation_steps = G // (M * W)`` must be exact.
+
+    ``data_dir`` is one shard directory, or a list of :class:`~bert_ds.data.mix.Source`: one unweighted source is
+    the same single-set loader, anything else a weighted mix (:class:`MixedShardLoader`)."""
     _check_rank(rank, world_size, micro_batch_size, num_workers)
     per_step = micro_batch_size * world_size
     if global_batch_size <= 0 or global_batch_size % per_step:
         raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * "
                          f"world_size = {micro_batch_size} * {world_size} = {per_step}")
+    options = dict(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, rank=rank,
+                   world_size=world_size, seed=seed, num_workers=num_workers, expected_seq_len=expected_seq_len,
+                   expected_vocab_sha256=expected_vocab_sha256, max_predictions=max_predictions,
+                   dynamic_masking=dynamic_masking, shuffle=shuffle, verify=verify,
+                   shuffle_window_shards=shuffle_window_shards, prefetch_factor=prefetch_factor)
+    if isinstance(data_dir, str | Path):
+        return _single_loader(data_dir, **options)
+    if not is_mix(data_dir):
+        return _single_loader(data_dir[0].path, **options)
+    return _mixed_loader(list(data_dir), **options)
+
+
+def _single_loader(data_dir: str | Path, *, global_batch_size: int, micro_batch_size: int, rank: int,
+                   world_size: int, seed: int, num_workers: int, expected_seq_len: int | None,
+                   expected_vocab_sha256: str | None, max_predictions: int | None,
+                   dynamic_masking: DynamicMasking | None, shuffle: bool, verify: str, shuffle_window_shards: int,
+                   prefetch_factor: int) -> ShardLoader:
     # A batch touches at most two windows; keep both mapped so no shard is rescanned mid-window.
     reader, p = _open_checked(data_dir, expected_seq_len=expected_seq_len,
                               expected_vocab_sha256=expected_vocab_sha256, dynamic_masking=dynamic_masking,
@@ -310,14 +417,76 @@ def build_loader(data_dir: str | Path, *, global_batch_size: int, micro_batch_si
                         seed=seed)
     dataset = _MicroBatches(order, collate, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                             rank=rank, world_size=world_size)
-    shard_list = json.dumps([[s.name, s.samples, s.sha256] for s in index.shards])
     fingerprint = {
         "seed": seed, "global_batch_size": global_batch_size, "shuffle": shuffle,
         "shuffle_window_shards": shuffle_window_shards, "num_samples": reader.num_samples,
-        "shard_set_sha256": hashlib.sha256(shard_list.encode()).hexdigest(),
+        "shard_set_sha256": _shard_set_sha256(index),
         "dynamic_masking": dynamic_masking.describe() if dynamic_masking is not None else None,
     }
     return ShardLoader(dataset, num_workers=num_workers, prefetch_factor=prefetch_factor, fingerprint=fingerprint)
+
+
+def _shard_set_sha256(index: ShardIndex) -> str:
+    """A shard set's identity: its shards' names, sample counts and checksums."""
+    shard_list = json.dumps([[s.name, s.samples, s.sha256] for s in index.shards])
+    return hashlib.sha256(shard_list.encode()).hexdigest()
+
+
+def _open_sources(sources: list[Source], *, expected_seq_len: int | None, expected_vocab_sha256: str | None,
+                  dynamic_masking: DynamicMasking | None, max_predictions: int | None, verify: str,
+                  shuffle_window_shards: int) -> tuple[list[ShardReader], int]:
+    """Every source opened and checked like a single set, all with one seq_len and vocabulary; each error names the
+    source. Returns the readers and the prediction slots per row (the most any source needs)."""
+    readers, slots = [], []
+    for source in sources:
+        try:
+            reader, p = _open_checked(source.path, expected_seq_len=expected_seq_len,
+                                      expected_vocab_sha256=expected_vocab_sha256, dynamic_masking=dynamic_masking,
+                                      max_predictions=max_predictions, verify=verify,
+                                      max_open_shards=max(32, 2 * shuffle_window_shards + 2))
+        except (ValueError, FileNotFoundError) as exc:
+            raise type(exc)(f"mix source {source.name!r}: {exc}") from None
+        readers.append(reader)
+        slots.append(p)
+        first, this = readers[0].index, reader.index
+        for name in ("seq_len", "vocab_sha256"):
+            if getattr(this, name) != getattr(first, name):
+                raise ValueError(f"mix source {source.name!r}: {source.path}/index.json field '{name}' is "
+                                 f"{getattr(this, name)!r} but source {sources[0].name!r} has {getattr(first, name)!r}")
+    return readers, max(slots)
+
+
+def _mixed_loader(sources: list[Source], *, global_batch_size: int, micro_batch_size: int, rank: int,
+                  world_size: int, seed: int, num_workers: int, expected_seq_len: int | None,
+                  expected_vocab_sha256: str | None, max_predictions: int | None,
+                  dynamic_masking: DynamicMasking | None, shuffle: bool, verify: str, shuffle_window_shards: int,
+                  prefetch_factor: int) -> MixedShardLoader:
+    readers, p = _open_sources(sources, expected_seq_len=expected_seq_len, expected_vocab_sha256=expected_vocab_sha256,
+                               dynamic_masking=dynamic_masking, max_predictions=max_predictions, verify=verify,
+                               shuffle_window_shards=shuffle_window_shards)
+    hashes = [_shard_set_sha256(r.index) for r in readers]
+    for i, sha in enumerate(hashes):
+        if hashes.index(sha) != i:
+            raise ValueError(f"mix sources {sources[hashes.index(sha)].name!r} and {sources[i].name!r} hold the same "
+                             "shard set; list it once with the sum of the weights")
+    seeds = [source_seed(seed, sha) for sha in hashes]
+    orders = [EpochOrder([s.samples for s in r.index.shards], seed=k, shuffle=shuffle,
+                         window_shards=shuffle_window_shards) for r, k in zip(readers, seeds, strict=True)]
+    seq_len = readers[0].index.seq_len
+    collators = [Collator(r, seq_len=seq_len, max_predictions=p, dynamic_masking=dynamic_masking, seed=k)
+                 for r, k in zip(readers, seeds, strict=True)]
+    schedule = MixSchedule([s.weight for s in sources], global_batch_size, seed)
+    dataset = MixedMicroBatches(schedule, orders, collators, global_batch_size=global_batch_size,
+                                micro_batch_size=micro_batch_size, rank=rank, world_size=world_size, seed=seed)
+    fingerprint = {
+        "seed": seed, "global_batch_size": global_batch_size, "shuffle": shuffle,
+        "shuffle_window_shards": shuffle_window_shards,
+        "mix": [{"source": s.path, "shard_set_sha256": sha, "num_samples": r.num_samples, "weight": s.weight}
+                for s, sha, r in zip(sources, hashes, readers, strict=True)],
+        "dynamic_masking": dynamic_masking.describe() if dynamic_masking is not None else None,
+    }
+    return MixedShardLoader(dataset, sources, [r.num_samples for r in readers], seq_len, num_workers=num_workers,
+                            prefetch_factor=prefetch_factor, fingerprint=fingerprint)
 
 
 def build_eval_loader(data_dir: str | Path, *, micro_batch_size: int, rank: int = 0, world_size: int = 1,

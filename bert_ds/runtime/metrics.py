@@ -253,18 +253,25 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def log_eval(self, step: int, metrics: dict) -> None:
-        """Write each numeric entry of ``metrics`` as ``eval/<name>`` (None entries are skipped) and print one line."""
+        """Write each numeric entry of ``metrics`` as ``eval/<name>`` (None entries are skipped) and print one line;
+        a ``sources`` entry (:func:`bert_ds.evaluate.evaluate_sources`) adds ``eval/<source>/<name>`` per held-out set
+        and one line each."""
         if not self.enabled:
             return
+        lines = [f"eval step {step} | " + self._eval_scalars("eval", step, metrics)]
+        for source, values in (metrics.get("sources") or {}).items():
+            lines.append(f"eval step {step} {source} | " + self._eval_scalars(f"eval/{source}", step, values))
+        self._writer.flush()
+        print("\n".join(lines), flush=True)
+
+    def _eval_scalars(self, prefix: str, step: int, metrics: dict) -> str:
         written = {}
         for name, value in metrics.items():
             value = _value(value) if isinstance(value, int | float | torch.Tensor) else None
             if value is not None:
-                self._writer.add_scalar(f"eval/{name}", value, step)
+                self._writer.add_scalar(f"{prefix}/{name}", value, step)
                 written[name] = value
-        self._writer.flush()
-        print(f"eval step {step} | " + " | ".join(f"{k} {v:.4f}" if not float(v).is_integer() else f"{k} {int(v)}"
-                                                 for k, v in written.items()), flush=True)
+        return " | ".join(f"{k} {v:.4f}" if not float(v).is_integer() else f"{k} {int(v)}" for k, v in written.items())
 
     def log_text(self, tag: str, text: str, step: int = 0) -> None:
         """Free text (the resolved recipe, the command line) under ``tag`` in TensorBoard's Text tab."""

@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.config import BertConfig
+from bert_ds.data.mix import MixChangedError, Source, parse_sources
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
 from bert_ds.runtime.caches import cache_dir_warnings
 
@@ -45,6 +46,9 @@ class RunArgs:
     init_from_hf: str | None = None
     num_workers: int = 1
     verify_shards: str = "size"
+    continue_with_new_mix: bool = False
+    """Resume a checkpoint whose data mix (sources, weights, order) differs from ``data``'s: the new mix starts at the
+    saved global batch (logged); without it such a resume is refused, naming what changed."""
     step_timeout: float | None = None
     """Seconds a training step may take before the progress watchdog ends the job (exit 124); None: derived from the
     measured step time (:func:`bert_ds.runtime.stall.step_bound`); 0: no watchdog."""
@@ -96,6 +100,10 @@ class RunPlan:
     """Why the run has nothing left to do (then ``start`` is not run), or None."""
     lowercase: bool = True
     """The tokenizer's casing (:func:`bert_ds.data.tokenizer.read_lowercase`); every shard set and tag must agree."""
+    data_sources: dict[int, list[Source]] = field(default_factory=dict)
+    """``data`` parsed: each phase's shard sets and weights (one unweighted set: the single-set loader)."""
+    eval_sources: dict[int, list[Source]] = field(default_factory=dict)
+    """``eval_data`` parsed: each phase's held-out sets, evaluated and reported one by one."""
 
     @property
     def loader_verify(self) -> str:
@@ -165,33 +173,54 @@ def _check_init_vocabulary(args: RunArgs, tokenizer) -> None:
                          f"(make the shards with it) or start from scratch")
 
 
-def _check_shards(recipe: Recipe, phases: list[int], dirs_by_flag: dict[str, dict[int, str]], world_size: int,
-                  vocab_sha256: str, vocab_size: int, verify_level: str, lowercase: bool, tokenizer_dir: str) -> None:
-    """Batch sizes divide for this rank count; every shard set matches its phase and the tokenizer, and passes the
-    ``--verify-shards`` level."""
+def _check_shards(recipe: Recipe, phases: list[int], sources_by_flag: dict[str, dict[int, list[Source]]],
+                  world_size: int, vocab_sha256: str, vocab_size: int, verify_level: str, lowercase: bool,
+                  tokenizer_dir: str) -> None:
+    """Batch sizes divide for this rank count; every shard set (each source of a mix) matches its phase and the
+    tokenizer, and passes the ``--verify-shards`` level. An error names the flag, the directory and, in a mix, the
+    source."""
+    for p in phases:
+        gradient_accumulation_steps(recipe.phases[p], world_size, f"phases[{p}]")
+        for flag, by_phase in sources_by_flag.items():
+            sources = by_phase.get(p, [])
+            mixed = len(sources) > 1 or any(s.weight is not None for s in sources)
+            for source in sources:
+                context = f"phases[{p}], source {source.name!r}" if mixed else ""
+                _check_shard_set(recipe, p, f"{flag} {source.path}", source.path, context, vocab_sha256,
+                                 vocab_size, verify_level, lowercase, tokenizer_dir)
+
+
+def _check_shard_set(recipe: Recipe, p: int, label: str, directory: str, context: str, vocab_sha256: str,
+                     vocab_size: int, verify_level: str, lowercase: bool, tokenizer_dir: str) -> None:
+    """One shard set against phase ``p`` and the tokenizer; ``context`` (a mix's source) is named in each error."""
+    from bert_ds.data.format import ShardError
     from bert_ds.data.index import ShardIndex
     from bert_ds.data.reader import verify_shard_set
 
-    for p in phases:
-        phase = recipe.phases[p]
-        gradient_accumulation_steps(phase, world_size, f"phases[{p}]")
-        for flag, dirs in dirs_by_flag.items():
-            if p not in dirs:
-                continue
-            index = ShardIndex.load(dirs[p])
-            index.check_compatible(seq_len=phase.seq_len, vocab_sha256=vocab_sha256, vocab_size=vocab_size,
-                                   where=f"{flag} {dirs[p]} (phases[{p}])")
-            if index.lowercase != lowercase:  # same vocab.txt, other casing: capitalised words would become [UNK]
-                raise ValueError(f"{flag} {dirs[p]}/index.json: field 'lowercase' is {index.lowercase} "
-                                 f"({_casing(index.lowercase)}) but --tokenizer {tokenizer_dir} is "
-                                 f"{_casing(lowercase)} (lowercase={lowercase}); use the tokenizer the shards were "
-                                 f"made with")
-            shard_preds = index.masking.get("max_predictions")
-            if not phase.dynamic_masking and shard_preds is not None and shard_preds > phase.max_predictions:
-                raise ValueError(f"{flag} {dirs[p]}/index.json: field 'masking.max_predictions' is {shard_preds} "
-                                 f"but phases[{p}].max_predictions is {phase.max_predictions}")
-            if verify_level != "none":
-                verify_shard_set(dirs[p], verify_level).raise_for_errors()
+    phase = recipe.phases[p]
+    suffix = f" ({context})" if context else ""
+    try:
+        index = ShardIndex.load(directory)
+    except (ValueError, FileNotFoundError) as exc:
+        raise type(exc)(f"{label}{suffix}: {exc}" if context else str(exc)) from None
+    index.check_compatible(seq_len=phase.seq_len, vocab_sha256=vocab_sha256, vocab_size=vocab_size,
+                           where=f"{label} ({context or f'phases[{p}]'})")
+    if index.lowercase != lowercase:  # same vocab.txt, other casing: capitalised words would become [UNK]
+        raise ValueError(f"{label}/index.json{suffix}: field 'lowercase' is {index.lowercase} "
+                         f"({_casing(index.lowercase)}) but --tokenizer {tokenizer_dir} is "
+                         f"{_casing(lowercase)} (lowercase={lowercase}); use the tokenizer the shards were "
+                         f"made with")
+    shard_preds = index.masking.get("max_predictions")
+    if not phase.dynamic_masking and shard_preds is not None and shard_preds > phase.max_predictions:
+        raise ValueError(f"{label}/index.json{suffix}: field 'masking.max_predictions' is {shard_preds} "
+                         f"but phases[{p}].max_predictions is {phase.max_predictions}")
+    if verify_level != "none":
+        try:
+            verify_shard_set(directory, verify_level).raise_for_errors()
+        except ShardError as exc:
+            if not context:
+                raise
+            raise ShardError(f"{label}{suffix}: {exc}") from None
 
 
 def _casing(lowercase: bool) -> str:
@@ -296,7 +325,7 @@ def _gather_lines(lines: list[str]) -> list[str]:
 
 
 def _check_loader_state(plan: RunPlan) -> None:
-    """A mid-phase resume continues the saved sample stream: the loader refuses another shard set, seed or batch
+    """A mid-phase resume continues the saved sample stream: the loader refuses another shard set, mix, seed or batch
     layout; asked here, before the run writes anything (a loader without worker processes reads only index.json)."""
     from bert_ds.data.loader import build_loader
 
@@ -304,7 +333,7 @@ def _check_loader_state(plan: RunPlan) -> None:
     if start.tag is None or start.handoff or start.phase not in plan.data:
         return
     phase = plan.recipe.phases[start.phase]
-    loader = build_loader(plan.data[start.phase], global_batch_size=phase.global_batch_size,
+    loader = build_loader(plan.data_sources[start.phase], global_batch_size=phase.global_batch_size,
                           micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
                           seed=plan.recipe.seed + start.phase, num_workers=0, expected_seq_len=phase.seq_len,
                           expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
@@ -314,7 +343,11 @@ def _check_loader_state(plan: RunPlan) -> None:
         raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: run_state.json holds no loader "
                          "position ('loader'), so the sample stream cannot continue exactly; resume from another tag")
     try:
-        loader.load_state_dict(state)
+        loader.load_state_dict(state, continue_with_new_mix=plan.args.continue_with_new_mix)
+    except MixChangedError as exc:
+        raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}; pass "
+                         "--continue-with-new-mix to continue with the new mix (each source kept goes on where it "
+                         "was, a new one from its start)") from exc
     except ValueError as exc:
         raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}") from exc
 
@@ -347,19 +380,22 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     n = len(recipe.phases)
     data = _phase_dirs(args.data, phases, n, "--data")
     eval_data = _phase_dirs(args.eval_data, phases, n, "--eval-data")
+    data_sources = {p: parse_sources(spec, "--data") for p, spec in data.items()}
+    eval_sources = {p: parse_sources(spec, "--eval-data", weighted=False) for p, spec in eval_data.items()}
     # The vocabulary is the tokenizer's; every shard set (training and eval, every phase) must agree.
     tokenizer = load_tokenizer(args.tokenizer)
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
     check_optimizer_support(recipe, precision)  # refusals name the recipe fields
     model_config = _model_config(args, recipe, tokenizer)
-    _check_shards(recipe, phases, {"--data": data, "--eval-data": eval_data}, world_size, tokenizer.vocab_sha256,
-                  tokenizer.vocab_size, args.verify_shards, tokenizer.lowercase, args.tokenizer)
+    _check_shards(recipe, phases, {"--data": data_sources, "--eval-data": eval_sources}, world_size,
+                  tokenizer.vocab_sha256, tokenizer.vocab_size, args.verify_shards, tokenizer.lowercase, args.tokenizer)
     run_dir = Path(args.output)
     start = _start_point(args, recipe, phases, ckpt.checkpoint_dir(run_dir), tokenizer, model_config, rank,
                          world_size)
     plan = RunPlan(args=args, recipe=recipe, rank=rank, world_size=world_size, run_dir=run_dir, phases=phases,
                    data=data, eval_data=eval_data, vocab_sha256=tokenizer.vocab_sha256, model_config=model_config,
-                   precision=precision, start=start, nothing_to_do=None, lowercase=tokenizer.lowercase)
+                   precision=precision, start=start, nothing_to_do=None, lowercase=tokenizer.lowercase,
+                   data_sources=data_sources, eval_sources=eval_sources)
     plan.nothing_to_do = _nothing_to_do(plan)
     if plan.nothing_to_do is None:
         _check_loader_state(plan)

@@ -75,8 +75,10 @@ def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
     p = argparse.ArgumentParser(prog="bert_ds.runtime.pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", required=True, help="recipe JSON (ds_configs/*.json)")
     p.add_argument("--data", nargs="+", required=True,
-                   help="shard directories, one per recipe phase in order (seq 128 then 512); one directory when "
-                        "--phase selects a single phase")
+                   help="shard directories, one argument per recipe phase in order (seq 128 then 512); one when "
+                        "--phase selects a single phase. An argument may be a weighted mix, DIR:WEIGHT,DIR:WEIGHT "
+                        "(e.g. wiki128/:3,books128/:1): each global batch draws its sources by the weights, a "
+                        "source that runs out starts its next epoch (docs/data.md)")
     p.add_argument("--output", required=True, help="run directory (checkpoints/, tensorboard/, recipe.json)")
     p.add_argument("--resume", choices=("auto", "none"), default="none",
                    help="auto: continue from the newest complete checkpoint in RUN_DIR/checkpoints, if any")
@@ -88,7 +90,13 @@ def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
                    help="tokenizer dir (vocab.txt) the shards were made with: checked against every shard set's "
                         "index.json, gives dynamic masking its [MASK] id, and is copied beside the checkpoints for the "
                         "exporter")
-    p.add_argument("--eval-data", nargs="+", default=None, help="eval shard dirs, one per phase (or one for all)")
+    p.add_argument("--eval-data", nargs="+", default=None,
+                   help="eval shard dirs, one argument per phase (or one for all); DIR,DIR evaluates each set on its "
+                        "own (eval/<name>/... in TensorBoard) and all together")
+    p.add_argument("--continue-with-new-mix", action="store_true",
+                   help="resume a checkpoint whose --data mix (sources, weights, their order) differs: the new mix "
+                        "starts at the saved step, each source kept goes on where it was (logged); without it such a "
+                        "resume is refused, naming what changed")
     p.add_argument("--init-from-hf", default=None,
                    help="start the first selected phase from a Hugging Face BertForPreTraining dir")
     p.add_argument("--num-workers", type=int, default=1, help="data loader worker processes per rank")

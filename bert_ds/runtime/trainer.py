@@ -266,18 +266,20 @@ def _build_loaders(plan: RunPlan, p: int):
         masking = DynamicMasking.from_tokenizer(plan.args.tokenizer, masked_lm_prob=phase.masked_lm_prob,
                                                 max_predictions=phase.max_predictions)
     # Data order depends on the recipe seed and the phase only: the same for any number of ranks.
-    loader = build_loader(plan.data[p], global_batch_size=phase.global_batch_size,
+    loader = build_loader(plan.data_sources[p], global_batch_size=phase.global_batch_size,
                           micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
                           seed=recipe.seed + p, num_workers=plan.args.num_workers, expected_seq_len=phase.seq_len,
                           expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
                           dynamic_masking=masking, shuffle_window_shards=phase.shuffle_window_shards,
                           verify=plan.loader_verify)
     eval_loader = None
-    if p in plan.eval_data:
-        eval_loader = build_eval_loader(plan.eval_data[p], micro_batch_size=phase.micro_batch_size, rank=plan.rank,
-                                        world_size=plan.world_size, expected_seq_len=phase.seq_len,
-                                        expected_vocab_sha256=plan.vocab_sha256,
-                                        max_predictions=phase.max_predictions, verify=plan.loader_verify)
+    if p in plan.eval_data:  # several held-out sets: name -> loader, each reported on its own
+        loaders = {s.name: build_eval_loader(s.path, micro_batch_size=phase.micro_batch_size, rank=plan.rank,
+                                             world_size=plan.world_size, expected_seq_len=phase.seq_len,
+                                             expected_vocab_sha256=plan.vocab_sha256,
+                                             max_predictions=phase.max_predictions, verify=plan.loader_verify)
+                   for s in plan.eval_sources[p]}
+        eval_loader = loaders if len(loaders) > 1 else next(iter(loaders.values()))
     elif phase.target_mlm_accuracy is not None and plan.rank == 0:
         log.warning("phases[%d].target_mlm_accuracy=%s is ignored without --eval-data for phase %d: it runs all %d "
                     "steps", p, phase.target_mlm_accuracy, p + 1, phase.steps)
@@ -305,7 +307,10 @@ def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
     p, tag = ph.index, start.tag
     restored = ckpt.restore_run(ph.te.engine, plan.ckpt_dir, tag, plan.rank)
     saved = restored.run_state
-    ph.loader.load_state_dict(saved["loader"])
+    ph.loader.load_state_dict(saved["loader"], continue_with_new_mix=plan.args.continue_with_new_mix)
+    if getattr(ph.loader, "mix_change", None) and plan.rank == 0:
+        log.warning("resuming %s with a new data mix (--continue-with-new-mix): %s; it starts at global batch %d",
+                    tag, ph.loader.mix_change, ph.loader.consumed_global_batches)
     ph.consumed = saved["consumed_samples"]
     budget = ph.te.time_budget
     if budget is not None:  # the training time spent before the checkpoint counts against the budget
@@ -327,6 +332,8 @@ def _start_phase(plan: RunPlan, p: int, start: StartPoint) -> _Phase:
         _restore(plan, ph, start)
     else:
         seed_everything(plan.recipe.seed + 1000 * p + plan.rank)
+    if plan.rank == 0 and hasattr(loader, "describe"):  # a mix: what each source gives over the phase
+        print(f"phase {p + 1} " + "\n".join(loader.describe(plan.recipe.phases[p].steps)), flush=True)
     return ph
 
 
@@ -365,14 +372,17 @@ def _log_step(plan: RunPlan, ph: _Phase, rec: StepRecord, metrics) -> None:
 def _evaluate_and_maybe_stop(plan: RunPlan, ph: _Phase, metrics, done: bool) -> bool:
     """Evaluate at the eval interval and at the phase end; returns whether the phase is done (the eval accuracy
     reached ``target_mlm_accuracy`` ends it early)."""
-    from bert_ds.evaluate import evaluate
+    from bert_ds.evaluate import evaluate, evaluate_sources
 
     phase = plan.recipe.phases[ph.index]
     if ph.eval_loader is None or not (done or (phase.eval_interval and ph.step % phase.eval_interval == 0)):
         return done
     engine = ph.te.engine
     ph.watch.begin(f"phase {ph.index + 1} step {ph.step}: evaluation", slow=True)
-    result = evaluate(engine.module, ph.eval_loader, engine.device)
+    if isinstance(ph.eval_loader, dict):
+        result = evaluate_sources(engine.module, ph.eval_loader, engine.device)
+    else:
+        result = evaluate(engine.module, ph.eval_loader, engine.device)
     metrics.log_eval(plan.first_step_of(ph.index) + ph.step, result)
     engine.train()
     accuracy = result.get("mlm_accuracy")
