@@ -130,3 +130,55 @@ def test_defaults_of_a_function_and_a_help_that_places_its_default():
     assert all(actions[name].default == defaults_of(create_shards)[name] for name in shared)
     help_text = " ".join(parser.format_help().split())
     assert "(default 1; NVIDIA's recipe uses 5, Google's 10)" in help_text and "(default: 12345)" in help_text
+
+
+# deepspeed and mpirun pass their arguments on to the launcher verbatim: a REMAINDER, no options of their own.
+PASS_THROUGH = {"deepspeed", "mpirun"}
+
+
+@pytest.mark.parametrize("command", sorted(set(__import__("bert_ds.cli").cli.COMMANDS) - PASS_THROUGH))
+def test_every_command_line_is_generated_from_a_dataclass(command):
+    """Each command's parser comes from ``cli_args.build_parser`` over its argument dataclass: every option it has is
+    a field of that class (argparse's help and hidden launcher extras, such as pretrain's ``--local_rank``, aside),
+    so no default or help is written twice."""
+    import argparse
+    import dataclasses
+    import importlib
+    from unittest import mock
+
+    from bert_ds import cli_args
+    from bert_ds.cli import COMMANDS
+
+    built: list[tuple[type, argparse.ArgumentParser]] = []
+    real = cli_args.build_parser
+
+    def spy(cls, *args, **kwargs):
+        parser = real(cls, *args, **kwargs)
+        built.append((cls, parser))
+        return parser
+
+    class Stop(BaseException):
+        pass
+
+    def stop(self, *args, **kwargs):
+        raise Stop
+
+    module = importlib.import_module(COMMANDS[command][0])
+    imported = getattr(module, "build_parser", None) is real  # `from bert_ds.cli_args import build_parser`
+    with mock.patch.object(cli_args, "build_parser", spy), \
+            mock.patch.object(module, "build_parser", spy if imported else getattr(module, "build_parser", None),
+                              create=True), \
+            mock.patch.object(argparse.ArgumentParser, "parse_args", stop), \
+            mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop):
+        try:
+            module.main([])
+        except Stop:
+            pass
+    assert built, f"bert-ds {command}: its parser is not built by bert_ds.cli_args.build_parser"
+    names = {f.name for cls, _ in built for f in dataclasses.fields(cls)}
+    for _, parser in built:
+        for action in parser._actions:
+            skip = isinstance(action, argparse._HelpAction | argparse._SubParsersAction)
+            if skip or action.help == argparse.SUPPRESS:
+                continue
+            assert action.dest in names, f"bert-ds {command}: {action.option_strings or action.dest} is not a field"

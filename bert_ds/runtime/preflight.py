@@ -14,42 +14,72 @@ no intact tag left the run is refused.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from bert_ds import checkpoint as ckpt
+from bert_ds.cli_args import option
 from bert_ds.config import BertConfig
 from bert_ds.data.mix import MixChangedError, Source, parse_sources
+from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
 from bert_ds.runtime.caches import cache_dir_warnings
+from bert_ds.runtime.stall import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_FACTOR
 
 __all__ = ["RunArgs", "RunPlan", "StartPoint", "plan_run"]
 
 log = logging.getLogger(__name__)
 
+_STEP_TIMEOUT_HELP = (
+    "progress watchdog: when a training step takes longer than SECONDS on any rank (a stuck collective, a dead mount, "
+    "a lost GPU), every live rank prints one line naming the stalled ranks (host, local rank, pid) and what each last "
+    f"did, and exits {int(ExitCode.STALLED)} (retryable with --resume auto). Default: max({DEFAULT_FLOOR_S:.0f}, "
+    f"{STEP_FACTOR:g} x the slowest step so far). A phase's set-up and first step, an evaluation and a checkpoint save "
+    f"may take at least {SLOW_FLOOR_S:.0f} s. 0 turns the watchdog off")
+
+
 @dataclass(frozen=True)
 class RunArgs:
-    """The command line of a pre-training run, typed (``bert_ds.runtime.pretrain.parse_args`` builds it): what
-    pre-flight and the trainer read, so neither sees argparse."""
+    """The command line of a pre-training run, typed: ``bert_ds.runtime.pretrain.parse_args`` generates the parser
+    from these fields (:mod:`bert_ds.cli_args`: each default written once, here) and pre-flight and the trainer read
+    this, so neither sees argparse."""
 
     recipe: str
+    """recipe JSON (ds_configs/*.json)"""
     data: list[str]
+    """shard directories, one argument per recipe phase in order (seq 128 then 512); one when --phase selects a single
+    phase. An argument may be a weighted mix, DIR:WEIGHT,DIR:WEIGHT (e.g. wiki128/:3,books128/:1): each global batch
+    draws its sources by the weights, a source that runs out starts its next epoch (docs/data.md)"""
     output: str
+    """run directory (checkpoints/, tensorboard/, recipe.json)"""
     tokenizer: str
-    resume: str = "none"
-    phase: str = "all"
+    """tokenizer dir (vocab.txt) the shards were made with: checked against every shard set's index.json, gives dynamic
+    masking its [MASK] id, and is copied beside the checkpoints for the exporter"""
+    resume: Literal["auto", "none"] = "none"
+    """auto: continue from the newest complete checkpoint in RUN_DIR/checkpoints, if any"""
+    phase: Literal["1", "2", "all"] = "all"
+    """which recipe phase(s) this invocation runs"""
     max_steps: int | None = None
+    """stop (with a checkpoint) once the run has done N optimizer steps in total, counting every phase's steps from the
+    start of the run"""
     eval_data: list[str] | None = None
+    """eval shard dirs, one argument per phase (or one for all); DIR,DIR evaluates each set on its own
+    (eval/<name>/... in TensorBoard) and all together"""
     init_from_hf: str | None = None
+    """start the first selected phase from a Hugging Face BertForPreTraining dir"""
     num_workers: int = 1
-    verify_shards: str = "size"
+    """data loader worker processes per rank"""
+    verify_shards: Literal["none", "size", "headers", "sha256"] = "size"
+    """pre-flight check of every shard set before compute (bert_ds.data.reader.verify_shard_set): size (a stat per
+    shard), headers (+ tar headers, record length fields, per-shard counts), sha256 (+ content against index.json).
+    Whatever is chosen, each loader worker also hashes a shard on first open unless sha256 already ran here"""
     continue_with_new_mix: bool = False
-    """Resume a checkpoint whose data mix (sources, weights, order) differs from ``data``'s: the new mix starts at the
-    saved global batch (logged); without it such a resume is refused, naming what changed."""
-    step_timeout: float | None = None
+    """resume a checkpoint whose --data mix (sources, weights, their order) differs: the new mix starts at the saved
+    step, each source kept goes on where it was (logged); without it such a resume is refused, naming what changed"""
+    step_timeout: float | None = option(None, metavar="SECONDS", help=_STEP_TIMEOUT_HELP)
     """Seconds a training step may take before the progress watchdog ends the job (exit 124); None: derived from the
     measured step time (:func:`bert_ds.runtime.stall.step_bound`); 0: no watchdog."""
 
@@ -58,11 +88,8 @@ class RunArgs:
         if t is not None and not (t == 0 or (math.isfinite(t) and t >= 1)):
             raise ValueError(f"--step-timeout {t:g}: give the seconds a training step may take (at least 1), or 0 to "
                              f"turn the progress watchdog off")
-
-    @classmethod
-    def from_namespace(cls, namespace: argparse.Namespace) -> RunArgs:
-        """The fields of ``namespace`` this class declares (argparse's extras, e.g. ``local_rank``, are dropped)."""
-        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
 
 
 @dataclass(frozen=True)

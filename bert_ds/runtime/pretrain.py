@@ -53,13 +53,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
+from bert_ds.cli_args import build_parser, parse
 from bert_ds.data.loader import LoaderWorkerError
 from bert_ds.errors import run_main
 from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import load_recipe
 from bert_ds.runtime import supervise
 from bert_ds.runtime.preflight import RunArgs, RunPlan, StartPoint, plan_run
-from bert_ds.runtime.stall import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_FACTOR, start_watchdog
+from bert_ds.runtime.stall import start_watchdog
 from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
@@ -72,55 +73,11 @@ log = logging.getLogger("bert_ds.runtime.pretrain")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
-    p = argparse.ArgumentParser(prog="bert_ds.runtime.pretrain", description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", required=True, help="recipe JSON (ds_configs/*.json)")
-    p.add_argument("--data", nargs="+", required=True,
-                   help="shard directories, one argument per recipe phase in order (seq 128 then 512); one when "
-                        "--phase selects a single phase. An argument may be a weighted mix, DIR:WEIGHT,DIR:WEIGHT "
-                        "(e.g. wiki128/:3,books128/:1): each global batch draws its sources by the weights, a "
-                        "source that runs out starts its next epoch (docs/data.md)")
-    p.add_argument("--output", required=True, help="run directory (checkpoints/, tensorboard/, recipe.json)")
-    p.add_argument("--resume", choices=("auto", "none"), default="none",
-                   help="auto: continue from the newest complete checkpoint in RUN_DIR/checkpoints, if any")
-    p.add_argument("--phase", choices=("1", "2", "all"), default="all")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop (with a checkpoint) once the run has done N optimizer steps in total, counting every "
-                        "phase's steps from the start of the run")
-    p.add_argument("--tokenizer", required=True,
-                   help="tokenizer dir (vocab.txt) the shards were made with: checked against every shard set's "
-                        "index.json, gives dynamic masking its [MASK] id, and is copied beside the checkpoints for the "
-                        "exporter")
-    p.add_argument("--eval-data", nargs="+", default=None,
-                   help="eval shard dirs, one argument per phase (or one for all); DIR,DIR evaluates each set on its "
-                        "own (eval/<name>/... in TensorBoard) and all together")
-    p.add_argument("--continue-with-new-mix", action="store_true",
-                   help="resume a checkpoint whose --data mix (sources, weights, their order) differs: the new mix "
-                        "starts at the saved step, each source kept goes on where it was (logged); without it such a "
-                        "resume is refused, naming what changed")
-    p.add_argument("--init-from-hf", default=None,
-                   help="start the first selected phase from a Hugging Face BertForPreTraining dir")
-    p.add_argument("--num-workers", type=int, default=1, help="data loader worker processes per rank")
-    p.add_argument("--verify-shards", choices=("none", "size", "headers", "sha256"), default="size",
-                   help="pre-flight check of every shard set before compute (bert_ds.data.reader.verify_shard_set): "
-                        "size (a stat per shard), headers (+ tar headers, record length fields, per-shard counts), "
-                        "sha256 (+ content against index.json). Whatever is chosen, each loader worker also hashes "
-                        "a shard on first open unless sha256 already ran here")
-    p.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
-                   help="progress watchdog: when a training step takes longer than SECONDS on any rank (a stuck "
-                        "collective, a dead mount, a lost GPU), every live rank prints one line naming the stalled "
-                        f"ranks (host, local rank, pid) and what each last did, and exits {int(ExitCode.STALLED)} "
-                        "(retryable with --resume "
-                        f"auto). Default: max({DEFAULT_FLOOR_S:.0f}, {STEP_FACTOR:g} x the slowest step so far). A "
-                        f"phase's set-up and first step, an evaluation and a checkpoint save may take at least "
-                        f"{SLOW_FLOOR_S:.0f} s. 0 turns the watchdog off")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.max_steps is not None and args.max_steps < 1:
-        p.error(f"--max-steps must be >= 1, got {args.max_steps}")
-    try:
-        return RunArgs.from_namespace(args)
-    except ValueError as exc:  # RunArgs checks its fields: one line, exit 2, before any rank starts
-        p.error(str(exc))
+    """The command line as :class:`RunArgs`; its parser is generated from the dataclass (``--local_rank``, which the
+    ``deepspeed`` launcher appends, is accepted and dropped: ranks read ``LOCAL_RANK``)."""
+    parser = build_parser(RunArgs, PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parse(RunArgs, parser, argv)
 
 
 def _metrics_logger(plan: RunPlan):
