@@ -4,6 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+# Test processes side by side (pytest-xdist), one test file each at a time (module fixtures such as a trained run
+# are built once). 2 fits the 2-core machines CI runs on: much of a launched test is one process importing or
+# waiting (a launcher, a rendezvous, a Slurm requeue), which the other worker fills. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint bench clean
 
@@ -40,11 +44,11 @@ test: venv
 	    sudo -n .ci/start_slurm.sh || echo "make test: sudo .ci/start_slurm.sh failed; the Slurm tests will skip"; \
 	  fi; \
 	fi
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The default tier: no process tree of ranks (tests/helpers/tiers.py), minutes on 2 cores.
 test-fast: venv
-	$(PY) -m pytest -q -m "not e2e and not slow and not slurm and not gpu" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not slow and not slurm and not gpu" tests
 
 lint: venv
 	$(PY) -m ruff check .
