@@ -159,6 +159,8 @@ class MixSchedule:
         return np.random.default_rng([self.seed, batch, _TAG_MIX])
 
     def batch_counts(self, batch: int) -> np.ndarray:
+        if self._last is not None and self._last[0] == batch:  # the counts of the drawn positions: no second draw
+            return np.bincount(self._last[1], minlength=len(self.probs)).astype(np.int64)
         return self._draw(batch).multinomial(self.global_batch_size, self.probs).astype(np.int64)
 
     def batch_sources(self, batch: int) -> np.ndarray:
@@ -208,7 +210,7 @@ class MixReaders:
         return self._by_shard[shard]
 
     def sample(self, shard: int, index: int):
-        reader, local = self._source(shard)
+        reader, local = self._by_shard[shard]  # not through _source: one call less per sample read
         return reader.sample(local, index)
 
     def member_name(self, shard: int, index: int) -> str:
@@ -272,29 +274,37 @@ class MixedMicroBatches:
         self.world_size = world_size
         self.accumulation = global_batch_size // (micro_batch_size * world_size)
         self.sizes = np.asarray([o.num_samples for o in self.orders], dtype=np.int64)
+        self._refs: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+
+    def global_refs(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, source epoch, sample id within the source) of every position of global batch ``batch``, built
+        once per global batch (its micro batches are slices of it) and read-only."""
+        if self._refs is not None and self._refs[0] == batch:
+            return self._refs[1]
+        before = self.schedule.counts_before(batch)  # first: its last step reuses the previous batch's draw
+        src = self.schedule.batch_sources(batch)
+        epochs = np.empty(len(src), dtype=np.int64)
+        ids = np.empty(len(src), dtype=np.int64)
+        for s, order in enumerate(self.orders):
+            rows = np.flatnonzero(src == s)  # this source's positions, in batch order: consecutive in its stream
+            size, done = int(self.sizes[s]), 0
+            while done < len(rows):  # one run per source epoch touched (two where the source starts its next epoch)
+                epoch, first = divmod(int(before[s]) + done, size)
+                take = min(len(rows) - done, size - first)
+                epochs[rows[done:done + take]] = epoch
+                ids[rows[done:done + take]] = order.ids(epoch, first, first + take)
+                done += take
+        refs = (src, epochs, ids)
+        for array in refs:
+            array.flags.writeable = False  # micro batches are views of the cache
+        self._refs = (batch, refs)
+        return refs
 
     def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, source epoch, sample id within the source) of each row of micro batch ``m``."""
+        """(source, source epoch, sample id within the source) of each row of micro batch ``m`` (read-only views)."""
         batch, micro_step = divmod(m, self.accumulation)
         start = (micro_step * self.world_size + self.rank) * self.micro_batch_size
-        everything = self.schedule.batch_sources(batch)
-        src = everything[start:start + self.micro_batch_size]
-        n_sources = len(self.orders)
-        before = self.schedule.counts_before(batch) + np.bincount(everything[:start], minlength=n_sources)
-        one_hot = src[:, None] == np.arange(n_sources)
-        rank_in_source = np.cumsum(one_hot, axis=0)[np.arange(len(src)), src] - 1
-        k = before[src] + rank_in_source  # each source's samples are consecutive in its own stream
-        sizes = self.sizes[src]
-        epochs, positions = k // sizes, k % sizes
-        ids = np.zeros(len(src), dtype=np.int64)
-        for s in np.flatnonzero(one_hot.any(axis=0)):
-            rows = np.flatnonzero(src == s)
-            while rows.shape[0]:  # one run per source epoch touched (two where the source starts its next epoch)
-                run = rows[epochs[rows] == epochs[rows[0]]]
-                first = int(positions[run[0]])
-                ids[run] = self.orders[s].ids(int(epochs[run[0]]), first, first + len(run))
-                rows = rows[len(run):]
-        return src, epochs, ids
+        return tuple(a[start:start + self.micro_batch_size] for a in self.global_refs(batch))
 
     def __getitem__(self, m: int) -> np.ndarray:
         sources, epochs, ids = self.sample_refs(m)
