@@ -242,6 +242,18 @@ class _OffsetSlot:
         self.view[i] = value + (self.offset if i == 0 else 0)
 
 
+class _WholeCollator(Collator):
+    """A collator over :class:`MixReaders` that reads a row straight from its source's reader (one call per sample,
+    as over a single set)."""
+
+    def _sample(self, shard: int, index: int):
+        reader, local = self.reader._by_shard[shard]
+        sample = reader.sample(local, index)
+        if sample.length > self.seq_len:
+            return super()._sample(shard, index)  # refused there, the same message
+        return sample
+
+
 class _MixCollate:
     """What the loaders' worker machinery asks of a collator: ``reader``, ``seed`` and ``unpack``; with static masks
     one collator reads the whole micro batch through :class:`MixReaders` (``whole``)."""
@@ -253,8 +265,8 @@ class _MixCollate:
         first = self.collators[0]
         self.whole = None
         if first.dynamic is None:  # static masks depend on no seed or epoch: one pass over every source's rows
-            self.whole = Collator(self.reader, seq_len=first.seq_len, max_predictions=first.max_predictions,
-                                  dynamic_masking=None, seed=seed)
+            self.whole = _WholeCollator(self.reader, seq_len=first.seq_len, max_predictions=first.max_predictions,
+                                        dynamic_masking=None, seed=seed)
 
     def unpack(self, flat: np.ndarray):
         return self.collators[0].unpack(flat)
