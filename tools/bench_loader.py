@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mix", action="store_true", help="also time 3 weighted synthetic sources vs one source")
     parser.add_argument("--repeats", type=int, default=15,
                         help="alternated rounds (of --batches micro batches each) of the --mix comparison")
+    parser.add_argument("--mix-workers", type=int, nargs="+", default=None,
+                        help="num_workers values of the --mix comparison (default: --workers)")
     parser.add_argument("--mix-global-batch-size", type=int, nargs="+", default=[64, 1024],
                         help="global batch sizes of the --mix comparison (the mix draws once per global batch)")
     args = parser.parse_args(argv)
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append((label, n, dt, max(w, 1), {}))
         if args.mix:
             single, sources = _write_mix(Path(tmp) / "mix", args.samples, args.samples_per_shard)
-            for w, g in itertools.product(args.workers, args.mix_global_batch_size):
+            mix_workers = args.workers if args.mix_workers is None else args.mix_workers
+            for w, g in itertools.product(mix_workers, args.mix_global_batch_size):
                 rows += bench_mix(single, sources, num_workers=w, micro_batch_size=args.micro_batch_size,
                                   batches=args.batches, repeats=args.repeats, global_batch_size=g)
         print(f"{'what':46s} {'samples':>8s} {'seconds':>8s} {'samples/s':>10s} {'per worker':>10s}")
