@@ -32,6 +32,7 @@ __all__ = ["Source", "parse_sources", "is_mix", "source_seed", "MixSchedule", "M
            "MixChangedError", "mix_changes", "check_source_samples", "mix_summary"]
 
 _TAG_MIX = 0x4D4958  # the per-global-batch source draw: default_rng([seed, batch, _TAG_MIX])
+_READ_AHEAD = 4096  # stream positions of a source looked up at once (two int64 arrays of this length per source)
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,7 @@ class MixedMicroBatches:
         self.accumulation = global_batch_size // (micro_batch_size * world_size)
         self.sizes = np.asarray([o.num_samples for o in self.orders], dtype=np.int64)
         self._refs: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._ahead: list[tuple[int, np.ndarray, np.ndarray] | None] = [None] * len(self.orders)
 
     def global_refs(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source, source epoch, sample id within the source) of every position of global batch ``batch``, built
@@ -297,20 +299,32 @@ class MixedMicroBatches:
         src = self.schedule.batch_sources(batch)
         epochs = np.empty(len(src), dtype=np.int64)
         ids = np.empty(len(src), dtype=np.int64)
-        for s, order in enumerate(self.orders):
+        for s in range(len(self.orders)):
             rows = np.flatnonzero(src == s)  # this source's positions, in batch order: consecutive in its stream
-            size, done = int(self.sizes[s]), 0
-            while done < len(rows):  # one run per source epoch touched (two where the source starts its next epoch)
-                epoch, first = divmod(int(before[s]) + done, size)
-                take = min(len(rows) - done, size - first)
-                epochs[rows[done:done + take]] = epoch
-                ids[rows[done:done + take]] = order.ids(epoch, first, first + take)
-                done += take
+            if rows.shape[0]:
+                epochs[rows], ids[rows] = self._stream(s, int(before[s]), rows.shape[0])
         refs = (src, epochs, ids)
         for array in refs:
             array.flags.writeable = False  # micro batches are views of the cache
         self._refs = (batch, refs)
         return refs
+
+    def _stream(self, s: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch, sample id) of source ``s``'s stream positions ``[k, k + n)``, from a read-ahead of at least
+        ``_READ_AHEAD`` positions (one :meth:`EpochOrder.ids` call per epoch touched, not per global batch)."""
+        start, epochs, ids = self._ahead[s] or (0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        if not start <= k <= k + n <= start + len(ids):
+            size, want, e_parts, i_parts = int(self.sizes[s]), max(n, _READ_AHEAD), [], []
+            done = 0
+            while done < want:  # one run per source epoch touched (more than one where the source runs out)
+                epoch, first = divmod(k + done, size)
+                take = min(want - done, size - first)
+                e_parts.append(np.full(take, epoch, dtype=np.int64))
+                i_parts.append(self.orders[s].ids(epoch, first, first + take))
+                done += take
+            start, epochs, ids = k, np.concatenate(e_parts), np.concatenate(i_parts)
+            self._ahead[s] = (start, epochs, ids)
+        return epochs[k - start:k - start + n], ids[k - start:k - start + n]
 
     def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source, source epoch, sample id within the source) of each row of micro batch ``m`` (read-only views)."""
