@@ -79,6 +79,24 @@ def test_loader_section_reports_the_raw_read_baseline(quick_run):
     assert all(r["samples"] > 0 and r["samples_per_s"] > 0 for r in results["loader"])
 
 
+def test_loader_section_measures_the_mix_against_one_source_in_the_same_run(quick_run):
+    """Two global batch sizes (= the micro batch, and 1024), each a pair of rows, one source and the mix, and the mix's
+    cost in the Markdown; a timing, so only its presence and consistency are checked, never its size."""
+    results, markdown = quick_run
+    mixed = [r for r in results["loader"] if "mix_cost" in r]
+    assert [r["global_batch_size"] for r in mixed] == [32, 1024], mixed
+    for r in mixed:
+        g = r["global_batch_size"]
+        one = next(x for x in results["loader"] if x["what"] == f"loader one source workers=0 G={g}")
+        assert r["what"] == f"loader 3 weighted sources workers=0 G={g}"
+        assert r["samples"] == one["samples"] > 0 and r["rounds"] == 2 and r["weights"] == [5.0, 3.0, 2.0]
+        assert math.isfinite(r["mix_cost"]) and r["mix_cost"] < 1
+        # best / best is what the two rows say
+        assert r["mix_cost_best"] == pytest.approx(1 - r["samples_per_s"] / one["samples_per_s"])
+        assert (f"global batch {g} (micro 32): the mix costs **{100 * r['mix_cost']:.1f}%**"
+                in markdown), markdown
+
+
 def test_bad_arguments_are_refused(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--shards128", str(tmp_path)],
                           capture_output=True, text=True, timeout=HANG_GUARD_S, env=child_env(PYTHONPATH=str(ROOT)))

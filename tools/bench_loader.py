@@ -6,8 +6,9 @@
 Prints samples/s for: reading every member with ``tarfile`` (what a streaming tar reader does), slicing every
 member out of the mmap (the floor of :class:`~bert_ds.data.reader.ShardReader`), and the training loader with
 ``num_workers`` = 0 (in process), 1 and 2, each also divided per worker. With ``--mix`` also the loader over three
-weighted sources (5:3:2) against one source of as many samples, alternated in the same run (best of ``--repeats``
-each), and the mix's cost in percent. A benchmark, not a test: numbers depend on the machine and its load.
+weighted synthetic sources (5:3:2) against one synthetic source of as many samples, both started once and read in
+``--repeats`` alternated rounds in the same run, and the mix's cost in percent (the median over rounds). A
+benchmark, not a test: numbers depend on the machine and its load.
 
     python tools/bench_loader.py --mix --workers 0     # + 3 weighted sources vs one, same run
 """
@@ -21,6 +22,8 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from bert_ds.data.index import ShardIndex
 from bert_ds.data.loader import DynamicMasking, Source, build_loader
@@ -53,41 +56,61 @@ def bench_mmap_slices(data_dir: Path) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-def bench_loader(data_dir: Path | list[Source], *, num_workers: int, micro_batch_size: int, batches: int,
-                 dynamic: DynamicMasking | None, global_batch_size: int | None = None) -> tuple[int, float]:
-    loader = build_loader(data_dir, global_batch_size=global_batch_size or micro_batch_size,
+def _started(data: Path | list[Source], *, num_workers: int, micro_batch_size: int, dynamic: DynamicMasking | None,
+             global_batch_size: int | None):
+    """A running iterator of the training loader, past its warm-up."""
+    loader = build_loader(data, global_batch_size=global_batch_size or micro_batch_size,
                           micro_batch_size=micro_batch_size,
                           num_workers=num_workers, dynamic_masking=dynamic, prefetch_factor=4)
     it = iter(loader)
     warmup = max(2, 2 * num_workers)  # worker start-up and first shard opens are not steady state
     for _ in range(warmup):
         next(it)
+    return it
+
+
+def _timed(it, batches: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     n = sum(len(batch["lengths"]) for batch in itertools.islice(it, batches))
     return n, time.perf_counter() - t0
+
+
+def bench_loader(data_dir: Path | list[Source], *, num_workers: int, micro_batch_size: int, batches: int,
+                 dynamic: DynamicMasking | None, global_batch_size: int | None = None) -> tuple[int, float]:
+    it = _started(data_dir, num_workers=num_workers, micro_batch_size=micro_batch_size, dynamic=dynamic,
+                  global_batch_size=global_batch_size)
+    return _timed(it, batches)
 
 
 MIX_WEIGHTS = (5.0, 3.0, 2.0)
 
 
 def bench_mix(single: Path, sources: list[Source], *, num_workers: int, micro_batch_size: int, batches: int,
-              repeats: int, global_batch_size: int) -> list[tuple[str, int, float, int]]:
-    """One source vs the weighted mix, alternated ``repeats`` times (best of each, so a burst of load on a shared
-    machine hits both alike), plus the cost row."""
-    best: dict[str, tuple[int, float]] = {}
-    for _ in range(repeats):
-        for label, data in (("one source", single), ("3 weighted sources", sources)):
-            n, dt = bench_loader(data, num_workers=num_workers, micro_batch_size=micro_batch_size, batches=batches,
-                                 dynamic=None, global_batch_size=global_batch_size)
-            if label not in best or n / dt > best[label][0] / best[label][1]:
-                best[label] = (n, dt)
-    rows = [(f"loader {label} workers={num_workers} G={global_batch_size}", *best[label], max(num_workers, 1))
-            for label in best]
-    one, mix = (n / dt for n, dt in best.values())
+              repeats: int, global_batch_size: int) -> list[tuple[str, int, float, int, dict]]:
+    """One source vs the weighted mix: both loaders started once, then ``repeats`` rounds of ``batches`` micro
+    batches from each, alternated (which goes first swaps every round), so a burst of load on a shared machine hits
+    both alike. The cost is the median over rounds of 1 - (one source's time / the mix's time) for the same number of
+    samples; best of each is kept for the rows and the best / best cost is printed beside it."""
+    its = {label: _started(data, num_workers=num_workers, micro_batch_size=micro_batch_size, dynamic=None,
+                           global_batch_size=global_batch_size)
+           for label, data in (("one source", single), ("3 weighted sources", sources))}
+    times: dict[str, list[tuple[int, float]]] = {label: [] for label in its}
+    for r in range(repeats):
+        for label in (list(its) if r % 2 == 0 else list(its)[::-1]):
+            times[label].append(_timed(its[label], batches))
+    costs = sorted(1 - one[1] / mix[1] for one, mix in zip(times["one source"], times["3 weighted sources"],
+                                                              strict=True))
+    cost = float(np.median(costs))
+    best = {label: min(t, key=lambda x: x[1] / x[0]) for label, t in times.items()}
+    best_cost = 1 - (best["3 weighted sources"][0] / best["3 weighted sources"][1]) / (
+        best["one source"][0] / best["one source"][1])
+    mix = {"mix_cost": cost, "mix_cost_best": best_cost, "rounds": repeats, "weights": list(MIX_WEIGHTS),
+           "num_workers": num_workers, "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size}
     print(f"mix of 3 weighted sources (5:3:2) vs one source, num_workers={num_workers}, global batch "
-          f"{global_batch_size}, micro batch {micro_batch_size}: {mix:.0f} vs {one:.0f} "
-          f"samples/s, the mix costs {100 * (1 - mix / one):.1f}%")
-    return rows
+          f"{global_batch_size}, micro batch {micro_batch_size}: the mix costs {100 * cost:.1f}% (median of "
+          f"{repeats} alternated rounds of {batches} micro batches; best / best {100 * best_cost:.1f}%)")
+    return [(f"loader {label} workers={num_workers} G={global_batch_size}", *best[label], max(num_workers, 1),
+             mix if label == "3 weighted sources" else {}) for label in best]
 
 
 def _write_mix(root: Path, samples: int, samples_per_shard: int) -> tuple[Path, list[Source]]:
@@ -115,7 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", type=Path, help="the --data-dir set's tokenizer ([MASK] id for dynamic masking)")
     parser.add_argument("--json", type=Path, help="also write the rows here (tools/benchmark.py reads it)")
     parser.add_argument("--mix", action="store_true", help="also time 3 weighted synthetic sources vs one source")
-    parser.add_argument("--repeats", type=int, default=3, help="alternations of the --mix comparison")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="alternated rounds (of --batches micro batches each) of the --mix comparison")
+    parser.add_argument("--mix-workers", type=int, nargs="+", default=None,
+                        help="num_workers values of the --mix comparison (default: --workers)")
     parser.add_argument("--mix-global-batch-size", type=int, nargs="+", default=[64, 1024],
                         help="global batch sizes of the --mix comparison (the mix draws once per global batch)")
     args = parser.parse_args(argv)
@@ -132,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {args.samples} synthetic samples (seq 128) in {time.perf_counter() - t0:.1f} s")
         index = ShardIndex.load(data_dir)
         print(f"shard set: {len(index.shards)} shards, {index.total_samples} samples, seq_len {index.seq_len}")
-        rows = [("tarfile: read every member", *bench_tarfile(data_dir), 1),
-                ("mmap: slice every member", *bench_mmap_slices(data_dir), 1)]
+        rows = [("tarfile: read every member", *bench_tarfile(data_dir), 1, {}),
+                ("mmap: slice every member", *bench_mmap_slices(data_dir), 1, {})]
         dynamic = [None]
         if args.dynamic_masking:
             dynamic.append(DynamicMasking.from_tokenizer(args.tokenizer) if args.tokenizer is not None else
@@ -143,19 +169,20 @@ def main(argv: list[str] | None = None) -> None:
                 n, dt = bench_loader(data_dir, num_workers=w, micro_batch_size=args.micro_batch_size,
                                      batches=args.batches, dynamic=dyn)
                 label = f"loader num_workers={w} micro={args.micro_batch_size}" + (" dynamic" if dyn else "")
-                rows.append((label, n, dt, max(w, 1)))
+                rows.append((label, n, dt, max(w, 1), {}))
         if args.mix:
             single, sources = _write_mix(Path(tmp) / "mix", args.samples, args.samples_per_shard)
-            for w, g in itertools.product(args.workers, args.mix_global_batch_size):
+            mix_workers = args.workers if args.mix_workers is None else args.mix_workers
+            for w, g in itertools.product(mix_workers, args.mix_global_batch_size):
                 rows += bench_mix(single, sources, num_workers=w, micro_batch_size=args.micro_batch_size,
                                   batches=args.batches, repeats=args.repeats, global_batch_size=g)
         print(f"{'what':46s} {'samples':>8s} {'seconds':>8s} {'samples/s':>10s} {'per worker':>10s}")
-        for label, n, dt, workers in rows:
+        for label, n, dt, workers, _ in rows:
             print(f"{label:46s} {n:8d} {dt:8.2f} {n / dt:10.0f} {n / dt / workers:10.0f}")
         if args.json:
             args.json.write_text(json.dumps([{"what": label, "samples": n, "seconds": dt, "samples_per_s": n / dt,
-                                              "per_worker": n / dt / workers} for label, n, dt, workers in rows],
-                                            indent=1) + "\n")
+                                              "per_worker": n / dt / workers, **extra}
+                                             for label, n, dt, workers, extra in rows], indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ __all__ = ["Source", "parse_sources", "is_mix", "source_seed", "MixSchedule", "M
            "MixChangedError", "mix_changes", "check_source_samples", "mix_summary"]
 
 _TAG_MIX = 0x4D4958  # the per-global-batch source draw: default_rng([seed, batch, _TAG_MIX])
+_READ_AHEAD = 4096  # stream positions of a source looked up at once (two int64 arrays of this length per source)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class MixSchedule:
         return np.random.default_rng([self.seed, batch, _TAG_MIX])
 
     def batch_counts(self, batch: int) -> np.ndarray:
+        if self._last is not None and self._last[0] == batch:  # the counts of the drawn positions: no second draw
+            return np.bincount(self._last[1], minlength=len(self.probs)).astype(np.int64)
         return self._draw(batch).multinomial(self.global_batch_size, self.probs).astype(np.int64)
 
     def batch_sources(self, batch: int) -> np.ndarray:
@@ -208,7 +211,7 @@ class MixReaders:
         return self._by_shard[shard]
 
     def sample(self, shard: int, index: int):
-        reader, local = self._source(shard)
+        reader, local = self._by_shard[shard]  # not through _source: one call less per sample read
         return reader.sample(local, index)
 
     def member_name(self, shard: int, index: int) -> str:
@@ -240,6 +243,18 @@ class _OffsetSlot:
         self.view[i] = value + (self.offset if i == 0 else 0)
 
 
+class _WholeCollator(Collator):
+    """A collator over :class:`MixReaders` that reads a row straight from its source's reader (one call per sample,
+    as over a single set)."""
+
+    def _sample(self, shard: int, index: int):
+        reader, local = self.reader._by_shard[shard]
+        sample = reader.sample(local, index)
+        if sample.length > self.seq_len:
+            return super()._sample(shard, index)  # refused there, the same message
+        return sample
+
+
 class _MixCollate:
     """What the loaders' worker machinery asks of a collator: ``reader``, ``seed`` and ``unpack``; with static masks
     one collator reads the whole micro batch through :class:`MixReaders` (``whole``)."""
@@ -251,8 +266,8 @@ class _MixCollate:
         first = self.collators[0]
         self.whole = None
         if first.dynamic is None:  # static masks depend on no seed or epoch: one pass over every source's rows
-            self.whole = Collator(self.reader, seq_len=first.seq_len, max_predictions=first.max_predictions,
-                                  dynamic_masking=None, seed=seed)
+            self.whole = _WholeCollator(self.reader, seq_len=first.seq_len, max_predictions=first.max_predictions,
+                                        dynamic_masking=None, seed=seed)
 
     def unpack(self, flat: np.ndarray):
         return self.collators[0].unpack(flat)
@@ -272,29 +287,50 @@ class MixedMicroBatches:
         self.world_size = world_size
         self.accumulation = global_batch_size // (micro_batch_size * world_size)
         self.sizes = np.asarray([o.num_samples for o in self.orders], dtype=np.int64)
+        self._refs: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._ahead: list[tuple[int, np.ndarray, np.ndarray] | None] = [None] * len(self.orders)
+
+    def global_refs(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, source epoch, sample id within the source) of every position of global batch ``batch``, built
+        once per global batch (its micro batches are slices of it) and read-only."""
+        if self._refs is not None and self._refs[0] == batch:
+            return self._refs[1]
+        before = self.schedule.counts_before(batch)  # first: its last step reuses the previous batch's draw
+        src = self.schedule.batch_sources(batch)
+        epochs = np.empty(len(src), dtype=np.int64)
+        ids = np.empty(len(src), dtype=np.int64)
+        for s in range(len(self.orders)):
+            rows = np.flatnonzero(src == s)  # this source's positions, in batch order: consecutive in its stream
+            if rows.shape[0]:
+                epochs[rows], ids[rows] = self._stream(s, int(before[s]), rows.shape[0])
+        refs = (src, epochs, ids)
+        for array in refs:
+            array.flags.writeable = False  # micro batches are views of the cache
+        self._refs = (batch, refs)
+        return refs
+
+    def _stream(self, s: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch, sample id) of source ``s``'s stream positions ``[k, k + n)``, from a read-ahead of at least
+        ``_READ_AHEAD`` positions (one :meth:`EpochOrder.ids` call per epoch touched, not per global batch)."""
+        start, epochs, ids = self._ahead[s] or (0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        if not start <= k <= k + n <= start + len(ids):
+            size, want, e_parts, i_parts = int(self.sizes[s]), max(n, _READ_AHEAD), [], []
+            done = 0
+            while done < want:  # one run per source epoch touched (more than one where the source runs out)
+                epoch, first = divmod(k + done, size)
+                take = min(want - done, size - first)
+                e_parts.append(np.full(take, epoch, dtype=np.int64))
+                i_parts.append(self.orders[s].ids(epoch, first, first + take))
+                done += take
+            start, epochs, ids = k, np.concatenate(e_parts), np.concatenate(i_parts)
+            self._ahead[s] = (start, epochs, ids)
+        return epochs[k - start:k - start + n], ids[k - start:k - start + n]
 
     def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, source epoch, sample id within the source) of each row of micro batch ``m``."""
+        """(source, source epoch, sample id within the source) of each row of micro batch ``m`` (read-only views)."""
         batch, micro_step = divmod(m, self.accumulation)
         start = (micro_step * self.world_size + self.rank) * self.micro_batch_size
-        everything = self.schedule.batch_sources(batch)
-        src = everything[start:start + self.micro_batch_size]
-        n_sources = len(self.orders)
-        before = self.schedule.counts_before(batch) + np.bincount(everything[:start], minlength=n_sources)
-        one_hot = src[:, None] == np.arange(n_sources)
-        rank_in_source = np.cumsum(one_hot, axis=0)[np.arange(len(src)), src] - 1
-        k = before[src] + rank_in_source  # each source's samples are consecutive in its own stream
-        sizes = self.sizes[src]
-        epochs, positions = k // sizes, k % sizes
-        ids = np.zeros(len(src), dtype=np.int64)
-        for s in np.flatnonzero(one_hot.any(axis=0)):
-            rows = np.flatnonzero(src == s)
-            while rows.shape[0]:  # one run per source epoch touched (two where the source starts its next epoch)
-                run = rows[epochs[rows] == epochs[rows[0]]]
-                first = int(positions[run[0]])
-                ids[run] = self.orders[s].ids(int(epochs[run[0]]), first, first + len(run))
-                rows = rows[len(run):]
-        return src, epochs, ids
+        return tuple(a[start:start + self.micro_batch_size] for a in self.global_refs(batch))
 
     def __getitem__(self, m: int) -> np.ndarray:
         sources, epochs, ids = self.sample_refs(m)

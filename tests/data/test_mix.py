@@ -243,3 +243,24 @@ def test_the_start_of_phase_lines_count_what_the_loader_draws(mix_shards_128):
     assert lines[0] == "data mix over 100 global batches (1600 samples):"
     assert lines[1].startswith(f"  licenses128: weight 3 (75.0%), {drawn[0]} samples = {drawn[0] / size:.2f} epochs "
                                f"of {size}, {drawn[0] * 128} tokens (padded to seq_len 128)")
+
+
+def test_a_sample_longer_than_seq_len_is_named_in_its_source(tmp_path):
+    """The mixed collator reads rows straight from each source's reader: an over-long record is still refused, naming
+    its source's shard and member (two synthetic sources whose index.json both claim seq_len 16)."""
+    from bert_ds.data.reader import ShardError
+    from bert_ds.data.synthetic import write_synthetic_shards
+
+    sources = []
+    for i in range(2):
+        path = tmp_path / f"source{i}"
+        write_synthetic_shards(path, num_samples=40, samples_per_shard=20, seq_len=64, max_predictions=10, seed=i,
+                               cls_id=1, sep_id=2, mask_id=4)
+        index = json.loads((path / "index.json").read_text())
+        index["seq_len"] = 16
+        (path / "index.json").write_text(json.dumps(index))
+        sources.append(Source(str(path), 1.0))
+    loader = build_loader(sources, global_batch_size=8, micro_batch_size=8, num_workers=0, verify="size")
+    with pytest.raises(ShardError, match=r"^source[01]/shard-\d{6}\.tar:\S+: length \d+ exceeds index\.json "
+                                         r"seq_len=16$"):
+        next(iter(loader))

@@ -81,8 +81,14 @@ def run(args) -> dict:
         results["create"] = _tool_json("bench_create.py", copies)
     if "loader" in args.only:
         print("==> loader: tools/bench_loader.py", flush=True)
+        # --mix: 3 weighted synthetic sources vs one, at global batch = micro batch (a source draw per micro batch)
+        # and 1024, alternated rounds in the same process (in process: workers=0, the loader's own cost)
+        mix = (["--samples", "3000", "--samples-per-shard", "500", "--repeats", "2"] if args.quick
+               else ["--repeats", "15"])
         results["loader"] = _tool_json("bench_loader.py", ["--data-dir", str(data["train128"]), "--batches",
-                                                           "20" if args.quick else "300", "--micro-batch-size", "32"])
+                                                           "20" if args.quick else "300", "--micro-batch-size", "32",
+                                                           "--mix", "--mix-workers", "0",
+                                                           "--mix-global-batch-size", "32", "1024", *mix])
     if "tta" in args.only:
         from bert_ds.devtools.benchmarks.time_to_accuracy import time_to_accuracy
 
