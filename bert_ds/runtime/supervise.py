@@ -28,9 +28,11 @@ node's ranks without a checkpoint. Per-node launches (``--no_ssh --node_rank``, 
 
 ``bert-ds mpirun ARGS`` is the same supervisor around Open MPI's ``mpirun``, which answers SIGTERM by ending the job
 (exit 1 two seconds later, the ranks killed before they save) but forwards SIGUSR1 to every rank on every node and
-then exits with the first non-zero rank code (75): a signal to the command, its group or ``mpirun`` alone becomes one
-SIGUSR1 to ``mpirun`` once this node's ranks have armed (so it reaches the ranks on other nodes too), and
-``PR_SET_PDEATHSIG`` sends ``mpirun`` SIGUSR1 should the supervisor be killed.
+then exits with the first non-zero rank code (75): a signal to the command or its process group becomes one SIGUSR1 to
+``mpirun`` once this node's ranks have armed (so it reaches the ranks on other nodes too), and ``PR_SET_PDEATHSIG``
+sends ``mpirun`` SIGUSR1 should the supervisor be killed. A TERM sent to ``mpirun`` itself (``kill <its pid>``, or
+Slurm's TERM to every process of a job) never reaches the supervisor: Open MPI then ends the job its own way (seen:
+exit 1, the ranks' work since their last checkpoint lost).
 """
 
 from __future__ import annotations

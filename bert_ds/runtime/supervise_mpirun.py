@@ -1,6 +1,7 @@
 """``bert-ds mpirun ARGS``: Open MPI's ``mpirun`` under the supervisor of :mod:`bert_ds.runtime.supervise`, so a
-pre-emption signal to the command, its process group or ``mpirun`` alone ends in a checkpoint and exit 75 (a bare
-``mpirun`` answers SIGTERM by killing the ranks before they save, and exits 1)."""
+pre-emption signal to the command or its process group ends in a checkpoint and exit 75 (a bare ``mpirun`` answers
+SIGTERM by killing the ranks before they save, and exits 1; so does this one's ``mpirun`` when the TERM is sent to it
+directly)."""
 
 from __future__ import annotations
 
