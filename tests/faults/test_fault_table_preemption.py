@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -187,7 +188,7 @@ def _signal_while_importing(cmd: list[str], sig: int) -> tuple[int, str]:
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while proc.poll() is None and not _catches(proc.pid, sig):
-            pass  # a busy poll: the window between that handler and main is the import of torch (seconds)
+            time.sleep(0.001)  # the window between that handler and main is the import of torch (seconds)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=HANG_GUARD_S)
     finally:

@@ -9,6 +9,7 @@ run length and intervals cut (:func:`fault_recipe`), so a whole run takes second
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -278,9 +279,29 @@ def execute(launch: Launch, timeout: float = HANG_GUARD_S) -> Outcome:
 IN_PROCESS, LAUNCHED = "in-process", "launched"
 
 
+def _pretrain_at(cmd: list[str]) -> int | None:
+    """Where the pre-training script or module stands in ``cmd`` (None: not a pre-training command)."""
+    return next((i for i, a in enumerate(cmd) if a.endswith("pretrain.py") or a == "bert_ds.runtime.pretrain"), None)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` set inside the block, as it was after."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _pretrain_argv(cmd: list[str]) -> tuple[int, list[str]]:
     """(ranks, pretrain arguments) of a :func:`~tests.helpers.ranks.rank_command`."""
-    at = next((i for i, a in enumerate(cmd) if a.endswith("pretrain.py") or a == "bert_ds.runtime.pretrain"), None)
+    at = _pretrain_at(cmd)
     assert at is not None, f"not a pre-training command: {cmd}"
     ranks = int(cmd[cmd.index("--num_gpus") + 1]) if "--num_gpus" in cmd else 1
     return ranks, cmd[at + 1:]
@@ -291,7 +312,6 @@ def decide_in_process(launch: Launch) -> Outcome:
     here: ``bert_ds.runtime.pretrain.preflight`` as each rank, with ``launch.env``; the first refusal becomes the
     outcome (its exit code and the one line ``run_main`` writes). A command pre-flight accepts is an error: its row
     must be launched."""
-    import contextlib
     import io
 
     from bert_ds.errors import error_lines, exit_code_of
@@ -299,10 +319,8 @@ def decide_in_process(launch: Launch) -> Outcome:
 
     assert launch.trigger is None and launch.preexec is None, "a trigger or preexec needs a launch"
     ranks, argv = _pretrain_argv(launch.cmd)
-    saved = {k: os.environ.get(k) for k in launch.env}
-    os.environ.update(launch.env)
     start, stderr = time.monotonic(), io.StringIO()
-    try:
+    with _environ(launch.env):
         for rank in range(ranks):
             try:
                 with contextlib.redirect_stderr(stderr):
@@ -315,12 +333,6 @@ def decide_in_process(launch: Launch) -> Outcome:
                     raise
                 lines = (stderr.getvalue() + error_lines(PROG, str(exc))).splitlines(True)
                 return Outcome(int(code), time.monotonic() - start, lines, None, [])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     raise AssertionError(f"pre-flight accepted {argv} on all {ranks} rank(s): this row needs level={LAUNCHED!r}")
 
 
@@ -345,14 +357,11 @@ def call_in_process(launch: Launch) -> Outcome:
     ``SystemExit`` from argparse included) and what it wrote to stdout, stderr and the root logger, interleaved.
     What a console script adds around ``main`` (``sys.exit``) is proven by the launched rows and
     tests/test_console_scripts.py."""
-    import contextlib
     import io
     import logging
 
     assert launch.trigger is None and launch.preexec is None, "a trigger or preexec needs a launch"
     body, argv = tool_main(launch.cmd)
-    saved = {k: os.environ.get(k) for k in launch.env}
-    os.environ.update(launch.env)
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
     root = logging.getLogger()
@@ -361,7 +370,7 @@ def call_in_process(launch: Launch) -> Outcome:
     root.setLevel(logging.INFO)
     start = time.monotonic()
     try:
-        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        with _environ(launch.env), contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
             try:
                 code = body(argv)
             except SystemExit as exc:
@@ -369,11 +378,6 @@ def call_in_process(launch: Launch) -> Outcome:
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     code = 0 if code is None else code if isinstance(code, int) else 1
     return Outcome(int(code), time.monotonic() - start, buffer.getvalue().splitlines(True), None, [])
 
@@ -381,7 +385,7 @@ def call_in_process(launch: Launch) -> Outcome:
 def in_process(launch: Launch) -> Outcome:
     """``launch`` decided without starting a process: a pre-training command by pre-flight
     (:func:`decide_in_process`), a tool by its ``main`` (:func:`call_in_process`)."""
-    if any(a.endswith("pretrain.py") or a == "bert_ds.runtime.pretrain" for a in launch.cmd):
+    if _pretrain_at(launch.cmd) is not None:
         return decide_in_process(launch)
     return call_in_process(launch)
 
