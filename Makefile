@@ -44,11 +44,11 @@ test: venv
 	    sudo -n .ci/start_slurm.sh || echo "make test: sudo .ci/start_slurm.sh failed; the Slurm tests will skip"; \
 	  fi; \
 	fi
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The default tier: no process tree of ranks (tests/helpers/tiers.py), minutes on 2 cores.
 test-fast: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not slow and not slurm and not gpu" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not slow and not slurm and not gpu" tests
 
 lint: venv
 	$(PY) -m ruff check .

@@ -116,6 +116,14 @@ def _release_leaked_deepspeed_shm():
             continue
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: the order is by what runs
+def pytest_collection_modifyitems(config, items):
+    """Heaviest test files first, so the two workers of ``make test`` finish together (``tests.helpers.schedule``)."""
+    from tests.helpers.schedule import heaviest_files_first
+
+    heaviest_files_first(items)
+
+
 _resources: dict[str, bool] = {}
 
 

@@ -1,0 +1,46 @@
+"""The order ``make test`` hands files to its workers (``tests.helpers.schedule``): heaviest first, each file whole."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.helpers.runs import REPO
+from tests.helpers.schedule import HEAVY_S, LIGHT_S, file_weights, heaviest_files_first
+
+
+@dataclass
+class _Item:
+    nodeid: str
+    marks: tuple[str, ...] = field(default=())
+
+    def get_closest_marker(self, name):
+        return getattr(pytest.mark, name).mark if name in self.marks else None
+
+
+def test_files_go_heaviest_first_and_whole():
+    items = [_Item(f"tests/test_many.py::test_{i}") for i in range(50)]  # 50 light: 15 s
+    items += [_Item("tests/launch/test_two.py::test_a", ("e2e",)), _Item("tests/launch/test_two.py::test_b"),
+              _Item("tests/launch/test_two.py::test_c", ("slurm",))]
+    items += [_Item("tests/test_one.py::test_x", ("slow",)), _Item("tests/test_few.py::test_y")]
+    heaviest_files_first(items)
+    assert [i.nodeid for i in items[:4]] == ["tests/launch/test_two.py::test_a", "tests/launch/test_two.py::test_b",
+                                             "tests/launch/test_two.py::test_c", "tests/test_one.py::test_x"]
+    assert [i.nodeid for i in items[4:54]] == [f"tests/test_many.py::test_{i}" for i in range(50)]
+    assert items[-1].nodeid == "tests/test_few.py::test_y"
+    assert file_weights(items)["tests/launch/test_two.py"] == 2 * HEAVY_S + LIGHT_S
+
+
+def test_this_session_runs_heaviest_files_first(request):
+    weights = list(file_weights(request.session.items).values())
+    paths = list(file_weights(request.session.items))
+    assert weights == sorted(weights, reverse=True), paths[:10]
+    assert len(paths) == len({item.nodeid.split("::")[0] for item in request.session.items})  # each file whole
+
+
+def test_make_passes_the_order_to_xdist():
+    # Without --no-loadscope-reorder xdist re-sorts the files by how many tests each holds, cheapest-heavy first.
+    commands = re.findall(r"^\t\$\(PY\) -m pytest (.*)$", (REPO / "Makefile").read_text(), flags=re.M)
+    assert len(commands) == 2 and all("--dist loadfile --no-loadscope-reorder" in c for c in commands), commands
