@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bert_ds.config import MODEL_PRESETS, BertConfig, model_preset
 
-__all__ = ["OptimizerConfig", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "Recipe", "load_recipe",
+__all__ = ["OptimizerConfig", "DataSource", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "Recipe", "load_recipe",
            "gradient_accumulation_steps", "resume_blockers"]
 
 _KERNELS = ("auto", "triton", "torch", "apex")
@@ -79,6 +80,36 @@ class OptimizerConfig:
 
 
 @dataclass
+class DataSource:
+    """One shard set a phase trains on, and its weight in the phase's mix (``phases[i].data``)."""
+
+    path: str
+    """A shard directory: absolute, or relative to the directory of the recipe file (:func:`load_recipe` makes it
+    absolute), not to the working directory, so a recipe means the same data wherever a job starts."""
+    weight: float | None = None
+    """Its share of each global batch relative to the other sources' weights (any positive numbers: 3 and 1 give 75%
+    and 25%). Left out only when the phase reads a single source: then the single-set loader and its sample order."""
+
+
+def _data_source(value: Any, where: str) -> DataSource:
+    """A ``phases[i].data`` element (a JSON object or a :class:`DataSource`) checked: a non-empty ``path``, a weight
+    that is a positive finite number or absent; errors name ``where`` and the field."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"path", "weight"})
+        if unknown or "path" not in value:
+            raise ValueError(f"{where} must be {{\"path\": DIR, \"weight\": W}}, got keys {sorted(value)}")
+        value = DataSource(**value)
+    if not isinstance(value, DataSource):
+        raise ValueError(f"{where} must be {{\"path\": DIR, \"weight\": W}}, got {value!r}")
+    if not isinstance(value.path, str) or not value.path:
+        raise ValueError(f"{where}.path={value.path!r} must name a shard directory")
+    w = value.weight
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0)):
+        raise ValueError(f"{where}.weight={w!r} must be a positive number")
+    return DataSource(value.path, None if w is None else float(w))
+
+
+@dataclass
 class PhaseConfig:
     seq_len: int
     steps: int
@@ -124,6 +155,11 @@ class PhaseConfig:
     shuffle_window_shards: int = 8
     """Loader shuffle window in shards: samples are shuffled across this many shards at a time, which also spreads
     near-duplicate copies that the data pipeline writes into different shards."""
+    data: list[DataSource] | None = None
+    """The shard sets this phase trains on, each with a weight (a mix, ``[{"path": "wiki128/", "weight": 3},
+    {"path": "books128/", "weight": 1}]``), or one set (``[{"path": "wiki128/"}]``). ``--data`` on the command line
+    replaces it (logged); ``None``: ``--data`` must name the phase's data. Free on resume: the loader state decides
+    whether the mix changed (docs/data.md)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "steps", "global_batch_size", "micro_batch_size", "max_predictions",
@@ -154,6 +190,26 @@ class PhaseConfig:
                              f"masks come with the shards)")
         if self.target_mlm_accuracy is not None and not 0.0 < self.target_mlm_accuracy <= 1.0:
             raise ValueError(f"phase.target_mlm_accuracy={self.target_mlm_accuracy!r} must be in (0, 1]")
+        self._check_data()
+
+    def _check_data(self) -> None:
+        """``data``: None, or a non-empty list of sources, each weighted when there are several, no name twice."""
+        if self.data is None:
+            return
+        if not isinstance(self.data, list) or not self.data:
+            raise ValueError(f"phase.data={self.data!r} must be a non-empty list of {{\"path\": DIR, \"weight\": W}} "
+                             f"(or left out, for --data)")
+        self.data = [_data_source(e, f"phase.data[{i}]") for i, e in enumerate(self.data)]
+        if len(self.data) > 1:
+            bare = [i for i, e in enumerate(self.data) if e.weight is None]
+            if bare:
+                raise ValueError(f"phase.data[{bare[0]}] ({self.data[bare[0]].path!r}) has no weight; give every "
+                                 f"source of a mix one")
+        names = [Path(e.path).name or e.path for e in self.data]  # what logs and the loader state call a source
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                raise ValueError(f"phase.data[{i}].path={self.data[i].path!r}: name {name!r} is data"
+                                 f"[{names.index(name)}]'s too; each source needs its own directory name")
 
 
     def _check_schedule(self) -> None:
@@ -333,7 +389,10 @@ def _build(cls, data: Any, source: str, where: str):
     except TypeError as exc:  # a missing required field
         raise ValueError(f"{source}: {label}: {exc}") from exc
     except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from exc
+        message = str(exc)
+        if cls is PhaseConfig and message.startswith("phase."):  # name the phase: phases[1].lr=...
+            message = where + message[len("phase"):]
+        raise ValueError(f"{source}: {message}") from exc
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -345,6 +404,10 @@ def load_recipe(path: str | Path) -> Recipe:
     recipe = Recipe.from_dict(data, source=str(path))
     if not recipe.name:
         recipe.name = path.stem
+    base = path.resolve().parent
+    for phase in recipe.phases:  # a relative shard directory is the recipe file's neighbour, wherever a job starts
+        if phase.data is not None:
+            phase.data = [DataSource(str(base / e.path), e.weight) for e in phase.data]
     return recipe
 
 
@@ -362,7 +425,9 @@ _RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointin
                 "deepspeed.process_group_timeout_s"}
 # ``lr`` is resume-free so that the non-finite guard's advice (lower the phase's lr, resume) works: a resumed phase
 # scales its restored schedule to the new peak and logs a warning (bert_ds.runtime.trainer._restore).
-_PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy", "lr"}
+# ``data`` is resume-free because the loader state, not the recipe, holds what a resume must match: shard-set hashes
+# and weights (a moved directory resumes; another mix is refused unless --continue-with-new-mix).
+_PHASE_RESUME_FREE = {"micro_batch_size", "eval_interval", "checkpoint_interval", "target_mlm_accuracy", "lr", "data"}
 # Phase fields added after checkpoints were first written: a saved recipe without them used these values.
 _PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_window_shards": 8, "schedule_steps": None,
                          "schedule": "warmup_poly", "final_lr_fraction": 0.0, "budget_hours": None}

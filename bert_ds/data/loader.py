@@ -83,6 +83,7 @@ from bert_ds.data.dynamic_masking import DynamicMasking
 from bert_ds.data.epoch_order import EpochOrder
 from bert_ds.data.index import ShardIndex
 from bert_ds.data.mix import (
+    MIX_RULE,
     MixChangedError,
     MixedMicroBatches,
     MixSchedule,
@@ -91,6 +92,7 @@ from bert_ds.data.mix import (
     is_mix,
     mix_changes,
     mix_summary,
+    rule_changes,
     source_seed,
 )
 from bert_ds.data.reader import ShardReader
@@ -300,8 +302,8 @@ class MixedShardLoader(_TrainLoader):
             raise ValueError("loader state: field 'mix' is missing: the checkpoint read one unweighted shard set, "
                              "this run a weighted mix; an unweighted run cannot become a mix on resume: use the "
                              "original --data or a new --output")
-        consumed, into = self._check_state(state, skip=("dynamic_masking", "mix"))
-        changes = mix_changes(state["mix"], self._fingerprint["mix"])
+        consumed, into = self._check_state(state, skip=("dynamic_masking", "mix", "mix_rule"))
+        changes = mix_changes(state["mix"], self._fingerprint["mix"]) + rule_changes(state.get("mix_rule"))
         saved = check_source_samples(state, len(state["mix"]), consumed * self._dataset.global_batch_size)
         if changes and not continue_with_new_mix:
             raise MixChangedError(f"loader state: the data mix differs from the checkpoint's: {'; '.join(changes)}")
@@ -483,6 +485,7 @@ def _mixed_loader(sources: list[Source], *, global_batch_size: int, micro_batch_
         "shuffle_window_shards": shuffle_window_shards,
         "mix": [{"source": s.path, "shard_set_sha256": sha, "num_samples": r.num_samples, "weight": s.weight}
                 for s, sha, r in zip(sources, hashes, readers, strict=True)],
+        "mix_rule": MIX_RULE,
         "dynamic_masking": dynamic_masking.describe() if dynamic_masking is not None else None,
     }
     return MixedShardLoader(dataset, sources, [r.num_samples for r in readers], seq_len, num_workers=num_workers,

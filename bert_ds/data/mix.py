@@ -2,9 +2,12 @@
 
 A phase reads one shard set, or several, each with a weight (``--data wiki128/:3,books128/:1``). The rule:
 
-* Global batch ``b`` takes ``counts_b = multinomial(G, weights / sum(weights))`` samples from the sources, drawn from
-  a generator seeded by ``(seed, b)`` alone, and places them in an order permuted by the same generator. Nothing
-  depends on the rank count, micro batch size or worker count, so every rank count sees the same global sequence.
+* Global batch ``b`` takes ``counts_b = multinomial(G, weights / sum(weights))`` samples from the sources and places
+  them in a random order, both pure functions of ``(seed, b)`` with no generator seeded per batch: ``counts_b`` is row
+  ``b % 256`` of the 256 multinomial draws a Philox stream keyed by the seed makes from counter ``b // 256``; the order
+  is the counts laid out source by source and permuted by the stable argsort of ``G`` SplitMix64 uniforms keyed by
+  ``(seed, b)`` (:func:`bert_ds.data.masking.counter_uniforms`). :data:`MIX_RULE` names this rule in the loader state.
+  Nothing depends on the rank count, micro batch size or worker count, so every rank count sees the same sequence.
 * Source ``s`` is read in its own order (an :class:`~bert_ds.data.epoch_order.EpochOrder` seeded by the loader seed and
   the source's shard-set hash): its ``k``-th sample is position ``k % N_s`` of its epoch ``k // N_s``. A source that
   runs out starts its next epoch (upsampling); no epoch tail is dropped within a source.
@@ -26,13 +29,19 @@ import numpy as np
 
 from bert_ds.data.collate import Collator
 from bert_ds.data.epoch_order import EpochOrder
+from bert_ds.data.masking import counter_hash, counter_uniforms
 from bert_ds.data.reader import ShardReader
 
 __all__ = ["Source", "parse_sources", "is_mix", "source_seed", "MixSchedule", "MixedMicroBatches", "MixReaders",
-           "MixChangedError", "mix_changes", "check_source_samples", "mix_summary"]
+           "MixChangedError", "mix_changes", "rule_changes", "check_source_samples", "mix_summary", "MIX_RULE"]
 
-_TAG_MIX = 0x4D4958  # the per-global-batch source draw: default_rng([seed, batch, _TAG_MIX])
+MIX_RULE = 2
+"""The rule that draws each global batch's sources, saved in the loader state (``mix_rule``). 1 (no field): a
+``default_rng([seed, batch, tag])`` per global batch drew its counts and shuffled them; 2: the module docstring's."""
+_TAG_COUNTS, _TAG_ORDER = 0x4D495843, 0x4D49584F  # the counts' Philox key (seed, tag); the order's SplitMix64 key word
+_COUNT_BLOCK = 256  # global batches whose counts one Philox counter draws
 _READ_AHEAD = 4096  # stream positions of a source looked up at once (two int64 arrays of this length per source)
+_REFS_AHEAD = 4096  # positions of consecutive global batches whose refs are built at once (at least one batch)
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,16 @@ def mix_changes(saved: list, current: list) -> list[str]:
     return changes
 
 
+def rule_changes(saved_rule) -> list[str]:
+    """A loader state's ``mix_rule`` (None: saved before the field existed, rule 1) against :data:`MIX_RULE`: one
+    phrase when they differ (the same sources and weights would draw other global batches from here on)."""
+    if (1 if saved_rule is None else saved_rule) == MIX_RULE:
+        return []
+    was = "missing (rule 1, an older bert_ds)" if saved_rule is None else repr(saved_rule)
+    return [f"field 'mix_rule' is {was} but this bert_ds draws the mix by rule {MIX_RULE}: the sample order from "
+            "the saved step on would differ"]
+
+
 def check_source_samples(state: dict, n_sources: int, drawn: int) -> list[int]:
     """The state's ``source_samples``: one non-negative integer per saved source, summing to the samples drawn."""
     counts = state.get("source_samples")
@@ -148,41 +167,82 @@ class MixSchedule:
         self.probs = w / w.sum()
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self._counts = _PhiloxStream(seed, _TAG_COUNTS)
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.set_base(0, np.zeros(len(w), dtype=np.int64))
 
     def set_base(self, batch: int, counts: np.ndarray) -> None:
         """Counts of every source drawn by batches ``[0, batch)``: the point the schedule computes forward from."""
         self.base_batch = batch
-        self._cumulative = [np.asarray(counts, dtype=np.int64)]  # _cumulative[i]: counts before base_batch + i
-        self._last: tuple[int, np.ndarray] | None = None
+        # _starts[i]: counts before the later of base_batch and block (base_batch // _COUNT_BLOCK + i)'s first batch
+        self._starts = [np.asarray(counts, dtype=np.int64)]
 
-    def _draw(self, batch: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, batch, _TAG_MIX])
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(counts (K, S), their running sums (K + 1, S) from 0) of the ``_COUNT_BLOCK`` batches of ``block``."""
+        if block not in self._blocks:
+            draw = self._counts.at(block).multinomial(self.global_batch_size, self.probs, size=_COUNT_BLOCK)
+            counts = draw.astype(np.int64)
+            sums = np.concatenate([np.zeros((1, counts.shape[1]), dtype=np.int64), np.cumsum(counts, axis=0)])
+            if len(self._blocks) >= 2:  # the block being read and the one before it
+                self._blocks.pop(next(iter(self._blocks)))
+            for array in (counts, sums):
+                array.flags.writeable = False
+            self._blocks[block] = (counts, sums)
+        return self._blocks[block]
 
-    def batch_counts(self, batch: int) -> np.ndarray:
-        if self._last is not None and self._last[0] == batch:  # the counts of the drawn positions: no second draw
-            return np.bincount(self._last[1], minlength=len(self.probs)).astype(np.int64)
-        return self._draw(batch).multinomial(self.global_batch_size, self.probs).astype(np.int64)
+    def counts_of(self, first: int, n: int) -> np.ndarray:
+        """(n, S) samples each of global batches ``[first, first + n)`` takes from each source (read-only)."""
+        parts, b = [], first
+        while b < first + n:
+            block, row = divmod(b, _COUNT_BLOCK)
+            take = min(first + n - b, _COUNT_BLOCK - row)
+            parts.append(self._block(block)[0][row:row + take])
+            b += take
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def batch_sources(self, batch: int) -> np.ndarray:
-        """(G,) source index of each position of global batch ``batch``."""
-        if self._last is None or self._last[0] != batch:
-            rng = self._draw(batch)
-            counts = rng.multinomial(self.global_batch_size, self.probs)  # the same first draw as batch_counts
-            sources = np.repeat(np.arange(len(counts)), counts)
-            rng.shuffle(sources)
-            self._last = (batch, sources)
-        return self._last[1]
+    def sources_of(self, first: int, n: int) -> np.ndarray:
+        """(n, G) source index of each position of global batches ``[first, first + n)``: each batch's counts in
+        source order, permuted by the stable argsort of its SplitMix64 uniforms (keyed by seed, tag and batch)."""
+        counts = self.counts_of(first, n)
+        grouped = np.repeat(np.tile(np.arange(len(self.probs)), n), counts.ravel()).reshape(n, self.global_batch_size)
+        keys = counter_hash(self.seed, _TAG_ORDER, np.arange(first, first + n, dtype=np.uint64))
+        order = np.argsort(counter_uniforms(keys, np.arange(self.global_batch_size)), axis=1, kind="stable")
+        return np.take_along_axis(grouped, order, axis=1)
 
     def counts_before(self, batch: int) -> np.ndarray:
         """(S,) samples of each source drawn by the batches before ``batch`` (``batch`` >= the base)."""
-        i = batch - self.base_batch
-        if i < 0:
+        if batch < self.base_batch:
             raise IndexError(f"global batch {batch} precedes the schedule's base {self.base_batch}")
-        while len(self._cumulative) <= i:
-            done = self.base_batch + len(self._cumulative) - 1
-            self._cumulative.append(self._cumulative[-1] + self.batch_counts(done))
-        return self._cumulative[i]
+        first = self.base_batch // _COUNT_BLOCK
+        block, row = divmod(batch, _COUNT_BLOCK)
+        while len(self._starts) <= block - first:  # whole blocks forward, one multinomial call each
+            done = first + len(self._starts) - 1
+            sums = self._block(done)[1]
+            self._starts.append(self._starts[-1] + sums[-1] - sums[self._row_from(done)])
+        sums = self._block(block)[1]
+        return self._starts[block - first] + sums[row] - sums[self._row_from(block)]
+
+    def _row_from(self, block: int) -> int:
+        """The first row of ``block`` the base counts do not hold (0 but in the base's own block)."""
+        return self.base_batch % _COUNT_BLOCK if block == self.base_batch // _COUNT_BLOCK else 0
+
+
+class _PhiloxStream:
+    """A Philox generator keyed by ``(seed, tag)`` whose counter is set directly: :meth:`at` is the same stream
+    position however often and in whatever order it is asked (no seeding per call)."""
+
+    def __init__(self, seed: int, tag: int):
+        self.key = np.array([seed % 2**64, tag], dtype=np.uint64)
+        self.bits = np.random.Philox(key=self.key)
+        self.generator = np.random.Generator(self.bits)
+
+    def at(self, counter: int) -> np.random.Generator:
+        """The generator at ``counter``, in the counter's top word: Philox steps the 256-bit counter from its bottom
+        word, so ``counter`` and ``counter + 1`` start streams 2**192 blocks apart, never overlapping ones."""
+        position = np.array([0, 0, 0, counter], np.uint64)
+        self.bits.state = {"bit_generator": "Philox", "state": {"counter": position, "key": self.key},
+                           "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        return self.generator
 
 
 class MixReaders:
@@ -273,6 +333,18 @@ class _MixCollate:
         return self.collators[0].unpack(flat)
 
 
+@dataclass(frozen=True)
+class _Refs:
+    """Where the positions of global batches ``first``, ``first + 1``, ... read: (batches, G) arrays of the source,
+    the source epoch, the sample id within the source and the mix-wide sample id (:class:`MixReaders`)."""
+
+    first: int
+    sources: np.ndarray
+    epochs: np.ndarray
+    ids: np.ndarray
+    mixwide: np.ndarray
+
+
 class MixedMicroBatches:
     """Map-style: item ``m`` is this rank's ``m``-th training micro batch of a mix (``m`` counts across the phase)."""
 
@@ -287,27 +359,35 @@ class MixedMicroBatches:
         self.world_size = world_size
         self.accumulation = global_batch_size // (micro_batch_size * world_size)
         self.sizes = np.asarray([o.num_samples for o in self.orders], dtype=np.int64)
-        self._refs: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._refs: _Refs | None = None
         self._ahead: list[tuple[int, np.ndarray, np.ndarray] | None] = [None] * len(self.orders)
 
     def global_refs(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, source epoch, sample id within the source) of every position of global batch ``batch``, built
-        once per global batch (its micro batches are slices of it) and read-only."""
-        if self._refs is not None and self._refs[0] == batch:
-            return self._refs[1]
-        before = self.schedule.counts_before(batch)  # first: its last step reuses the previous batch's draw
-        src = self.schedule.batch_sources(batch)
-        epochs = np.empty(len(src), dtype=np.int64)
-        ids = np.empty(len(src), dtype=np.int64)
-        for s in range(len(self.orders)):
-            rows = np.flatnonzero(src == s)  # this source's positions, in batch order: consecutive in its stream
-            if rows.shape[0]:
-                epochs[rows], ids[rows] = self._stream(s, int(before[s]), rows.shape[0])
-        refs = (src, epochs, ids)
-        for array in refs:
-            array.flags.writeable = False  # micro batches are views of the cache
-        self._refs = (batch, refs)
-        return refs
+        """(source, source epoch, sample id within the source) of every position of global batch ``batch``
+        (read-only views)."""
+        refs, row = self._refs_of(batch)
+        return refs.sources[row], refs.epochs[row], refs.ids[row]
+
+    def _refs_of(self, batch: int) -> tuple[_Refs, int]:
+        """The refs of the global batches from ``batch`` on (``_REFS_AHEAD`` positions, at least one batch), built
+        once and sliced by each micro batch; and ``batch``'s row in them."""
+        refs = self._refs
+        if refs is None or not refs.first <= batch < refs.first + refs.sources.shape[0]:
+            n = max(1, _REFS_AHEAD // self.global_batch_size)
+            sources = self.schedule.sources_of(batch, n)
+            before = self.schedule.counts_before(batch)
+            flat = sources.ravel()
+            epochs, ids = np.empty_like(flat), np.empty_like(flat)
+            for s in range(len(self.orders)):
+                rows = np.flatnonzero(flat == s)  # this source's positions, in batch order: consecutive in its stream
+                if rows.shape[0]:
+                    epochs[rows], ids[rows] = self._stream(s, int(before[s]), rows.shape[0])
+            mixwide = self.collate.reader.sample_offsets[flat] + ids
+            arrays = [sources] + [a.reshape(sources.shape) for a in (epochs, ids, mixwide)]
+            for array in arrays:
+                array.flags.writeable = False  # micro batches are views of the cache
+            refs = self._refs = _Refs(batch, *arrays)
+        return refs, batch - refs.first
 
     def _stream(self, s: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(epoch, sample id) of source ``s``'s stream positions ``[k, k + n)``, from a read-ahead of at least
@@ -326,16 +406,23 @@ class MixedMicroBatches:
             self._ahead[s] = (start, epochs, ids)
         return epochs[k - start:k - start + n], ids[k - start:k - start + n]
 
-    def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, source epoch, sample id within the source) of each row of micro batch ``m`` (read-only views)."""
+    def _columns(self, m: int) -> tuple[_Refs, int, slice]:
+        """Micro batch ``m``'s refs block, row (its global batch) and columns (its slice of that batch)."""
         batch, micro_step = divmod(m, self.accumulation)
         start = (micro_step * self.world_size + self.rank) * self.micro_batch_size
-        return tuple(a[start:start + self.micro_batch_size] for a in self.global_refs(batch))
+        refs, row = self._refs_of(batch)
+        return refs, row, slice(start, start + self.micro_batch_size)
+
+    def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, source epoch, sample id within the source) of each row of micro batch ``m`` (read-only views)."""
+        refs, row, cols = self._columns(m)
+        return refs.sources[row, cols], refs.epochs[row, cols], refs.ids[row, cols]
 
     def __getitem__(self, m: int) -> np.ndarray:
-        sources, epochs, ids = self.sample_refs(m)
         if self.collate.whole is not None:
-            return self.collate.whole(self.collate.reader.sample_offsets[sources] + ids, 0)
+            refs, row, cols = self._columns(m)
+            return self.collate.whole(refs.mixwide[row, cols], 0)
+        sources, epochs, ids = self.sample_refs(m)
         # dynamic masks are keyed by each source's seed and epoch: one collator call per (source, epoch)
         collators = self.collate.collators
         out = np.zeros(len(ids) * collators[0].row_width(), dtype=np.int32)

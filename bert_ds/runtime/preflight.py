@@ -49,15 +49,16 @@ class RunArgs:
 
     recipe: str
     """recipe JSON (ds_configs/*.json)"""
-    data: list[str]
-    """shard directories, one argument per recipe phase in order (seq 128 then 512); one when --phase selects a single
-    phase. An argument may be a weighted mix, DIR:WEIGHT,DIR:WEIGHT (e.g. wiki128/:3,books128/:1): each global batch
-    draws its sources by the weights, a source that runs out starts its next epoch (docs/data.md)"""
     output: str
     """run directory (checkpoints/, tensorboard/, recipe.json)"""
     tokenizer: str
     """tokenizer dir (vocab.txt) the shards were made with: checked against every shard set's index.json, gives dynamic
     masking its [MASK] id, and is copied beside the checkpoints for the exporter"""
+    data: list[str] | None = None
+    """shard directories, one argument per recipe phase in order (seq 128 then 512); one when --phase selects a single
+    phase. An argument may be a weighted mix, DIR:WEIGHT,DIR:WEIGHT (e.g. wiki128/:3,books128/:1): each global batch
+    draws its sources by the weights, a source that runs out starts its next epoch (docs/data.md). Replaces the
+    recipe's phases[i].data (logged); without --data every selected phase reads its recipe data"""
     resume: Literal["auto", "none"] = "none"
     """auto: continue from the newest complete checkpoint in RUN_DIR/checkpoints, if any"""
     phase: Literal["1", "2", "all"] = "all"
@@ -117,6 +118,8 @@ class RunPlan:
     phases: list[int]
     """Phase indices this invocation may run, in order."""
     data: dict[int, str]
+    """Each phase's training data as a ``--data`` argument: the command line's, or written from the recipe's
+    ``phases[i].data`` (``DIR:WEIGHT,...``)."""
     eval_data: dict[int, str]
     vocab_sha256: str
     model_config: BertConfig
@@ -154,6 +157,37 @@ def _phase_dirs(dirs: list[str] | None, phases: list[int], n_phases: int, flag: 
     if len(dirs) == 1 and (len(phases) == 1 or flag == "--eval-data"):
         return {p: dirs[0] for p in phases}
     raise ValueError(f"{flag}: got {len(dirs)} directories for a recipe with {n_phases} phase(s); give one per phase")
+
+
+def _training_data(args: RunArgs, recipe: Recipe, phases: list[int], rank: int
+                   ) -> tuple[dict[int, str], dict[int, list[Source]], dict[str, dict[int, list[Source]]]]:
+    """Each selected phase's training data: ``--data`` where given (it replaces the recipe's ``phases[i].data``, said
+    on rank 0), else the recipe's. Returns (the data as ``--data`` arguments, the sources, the sources keyed by the
+    label a pre-flight error names: ``--data`` or the recipe file and field)."""
+    if args.data:
+        data = _phase_dirs(args.data, phases, len(recipe.phases), "--data")
+        sources = {p: parse_sources(spec, "--data") for p, spec in data.items()}
+        replaced = [f"phases[{p}].data" for p in phases if recipe.phases[p].data is not None]
+        if replaced and rank == 0:
+            log.warning("--data replaces recipe %s's %s: the command line wins over the recipe", args.recipe,
+                        " and ".join(replaced))
+        return data, sources, {"--data": sources}
+    data, sources, labels = {}, {}, {}
+    for p in phases:
+        entries = recipe.phases[p].data
+        if entries is None:
+            raise ValueError(f"--data is not given and recipe {args.recipe} has no phases[{p}].data: name phase "
+                             f"{p + 1}'s shard directories on the command line or in the recipe")
+        for i, entry in enumerate(entries):
+            if not Path(entry.path).is_dir():
+                raise ValueError(f"recipe {args.recipe}: phases[{p}].data[{i}].path {entry.path!r} is not a "
+                                 f"directory (a relative path is read from the recipe file's directory)")
+        sources[p] = [Source(e.path, e.weight) for e in entries]
+        data[p] = ",".join(e.path if e.weight is None else f"{e.path}:{e.weight!r}" for e in entries)
+        labels[f"recipe {args.recipe} phases[{p}].data"] = {p: sources[p]}
+        if rank == 0:
+            log.info("phase %d trains on recipe %s's phases[%d].data: %s", p + 1, args.recipe, p, data[p])
+    return data, sources, labels
 
 
 def _selected_phases(args: RunArgs, recipe: Recipe) -> list[int]:
@@ -405,16 +439,15 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     check_deepspeed_version()  # bert_ds relies on DeepSpeed-version-specific internals
     phases = _selected_phases(args, recipe)
     n = len(recipe.phases)
-    data = _phase_dirs(args.data, phases, n, "--data")
+    data, data_sources, data_labels = _training_data(args, recipe, phases, rank)
     eval_data = _phase_dirs(args.eval_data, phases, n, "--eval-data")
-    data_sources = {p: parse_sources(spec, "--data") for p, spec in data.items()}
     eval_sources = {p: parse_sources(spec, "--eval-data", weighted=False) for p, spec in eval_data.items()}
     # The vocabulary is the tokenizer's; every shard set (training and eval, every phase) must agree.
     tokenizer = load_tokenizer(args.tokenizer)
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
     check_optimizer_support(recipe, precision)  # refusals name the recipe fields
     model_config = _model_config(args, recipe, tokenizer)
-    _check_shards(recipe, phases, {"--data": data_sources, "--eval-data": eval_sources}, world_size,
+    _check_shards(recipe, phases, {**data_labels, "--eval-data": eval_sources}, world_size,
                   tokenizer.vocab_sha256, tokenizer.vocab_size, args.verify_shards, tokenizer.lowercase, args.tokenizer)
     run_dir = Path(args.output)
     start = _start_point(args, recipe, phases, ckpt.checkpoint_dir(run_dir), tokenizer, model_config, rank,

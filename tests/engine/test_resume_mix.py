@@ -3,11 +3,14 @@ with the shipped ``tiny_cpu`` recipe's phase 1 (dropout 0.1, ZeRO-2, LAMB) cut t
 rank 1 at step 3 (mid-epoch of both sources), then resumed with ``--resume auto``: on the same 2 ranks the weights are
 bit-identical to an uninterrupted mixed run; on 1 rank the same global batches and per-source samples are consumed and
 the weights land within the data-parallel floor (``assert_close_params``). Four launches in all: the uninterrupted
-run (module fixture), the killed run, and its two resumes."""
+run (module fixture), the killed run, and its two resumes. The killed run reads its mix from the recipe
+(``phases[0].data``, paths relative to the recipe file), the others from ``--data``: the resumed weights equal to the
+uninterrupted run's show that both give one sample stream, and that a resume may move the mix between them."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -32,6 +35,18 @@ def _recipe(path: Path) -> Path:
     recipe = json.loads(TINY_CPU.read_text())
     recipe["logging"]["interval"] = 1
     recipe["phases"][0].update(steps=STEPS, checkpoint_interval=2, eval_interval=2)
+    path.write_text(json.dumps(recipe, indent=1))
+    return path
+
+
+def _recipe_with_mix(root: Path, mix: dict[str, Path]) -> Path:
+    """The same recipe with the mix of :func:`_args` as ``phases[0].data``, in ``root/in_recipe/``, its paths
+    relative to that directory."""
+    path = root / "in_recipe" / "recipe.json"
+    path.parent.mkdir()
+    recipe = json.loads((root / "recipe.json").read_text())
+    recipe["phases"][0]["data"] = [{"path": os.path.relpath(mix[name], path.parent), "weight": weight}
+                                   for name, weight in (("licenses", 1), ("stdlib", 3))]
     path.write_text(json.dumps(recipe, indent=1))
     return path
 
@@ -64,13 +79,15 @@ def mixed(mix_shards_128, tokenizer_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def killed(mixed, mix_shards_128, tokenizer_dir) -> Path:
-    """The same run killed (``kill -9`` of rank 1) on its step-3 console line: ``phase1-step000002`` is the last
-    checkpoint, saved on 2 ranks mid-epoch of both sources."""
+    """The same run, its mix given in the recipe, killed (``kill -9`` of rank 1) on its step-3 console line:
+    ``phase1-step000002`` is the last checkpoint, saved on 2 ranks mid-epoch of both sources."""
     root, _ = mixed
     run = root / "killed"
-    out = _ran(execute(Launch(rank_command(2, _args(root, mix_shards_128, tokenizer_dir, run)),
-                              Trigger(r"^step 3 \|", kill_rank(1)))), KILLED)
+    args = ["--recipe", str(_recipe_with_mix(root, mix_shards_128)), "--phase", "1", "--tokenizer", str(tokenizer_dir),
+            "--output", str(run)]
+    out = _ran(execute(Launch(rank_command(2, args), Trigger(r"^step 3 \|", kill_rank(1)))), KILLED)
     assert out.fault and out.fault.startswith("SIGKILL to rank 1"), out.fault
+    assert "phase 1 trains on recipe" in out.text(), out.text()[-3000:]
     assert ckpt.read_latest(run / "checkpoints") == "phase1-step000002"
     loader = _state(run, "phase1-step000002")["loader"]
     assert loader["consumed_global_batches"] == 2 and len(loader["source_samples"]) == 2
