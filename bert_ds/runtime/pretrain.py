@@ -98,7 +98,8 @@ def run(plan: RunPlan, preemption: Preemption | None = None) -> int:
             print(plan.nothing_to_do, flush=True)
         return 0
     # The first writes under --output, after every pre-flight and resume check passed (plan_run): the lock, then the
-    # metadata (the same bytes on a resume, which pre-flight checked against the checkpoint).
+    # metadata: this run's recipe, model config and tokenizer. On a resume pre-flight has checked them against the
+    # checkpoint; the fields a resume may change (lr, name, data, ...) are written as this run has them.
     run_lock = ckpt.hold_run_dir(plan.run_dir, plan.rank)  # one run per --output (exit 2 naming the holder)
     if plan.rank == 0:
         ckpt.write_run_metadata(plan.run_dir, plan.recipe, plan.model_config, plan.args.tokenizer)
