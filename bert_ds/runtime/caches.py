@@ -34,7 +34,7 @@ from bert_ds.deepspeed_internals import shm_comm_builder
 __all__ = ["BRIEF_LOCK_S", "HOLDER_LOCK_NAME", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "build_identity",
            "build_tools_path", "cache_dir_warnings", "extension_build_locks", "extensions_root", "filesystem_of",
            "holding_build_lock", "load_extensions", "node_local_caches", "pin_build_environment",
-           "use_node_local_caches"]
+           "use_node_local_caches", "WAIT_NOTE_AFTER_S"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ HOLDER_LOCK_NAME = ".bert_ds-build.flock"
 (:func:`holding_build_lock`). An OS file lock (``flock``): the kernel drops it when its holder dies, unlike torch's own
 ``<extension>/lock`` file (``FileBaton``), which a killed build leaves behind for every later start to wait on."""
 
+WAIT_NOTE_AFTER_S = 3.0
+"""A start waiting this long for another process's extension build says so (a load of the built extension takes well
+under a second; a build takes minutes)."""
 BRIEF_LOCK_S = 10.0
 """torch takes its lock for every load, also of an up-to-date extension (``_jit_compile``), for well under a second; a
 lock younger than this may be such a load by a program that does not take :data:`HOLDER_LOCK_NAME` (DeepSpeed started
@@ -149,8 +152,10 @@ def _remove_orphaned_locks(holder: Path, poll_s: float) -> None:
 
 
 @contextlib.contextmanager
-def holding_build_lock(poll_s: float = 1.0) -> Iterator[None]:
-    """Hold :data:`HOLDER_LOCK_NAME` (waiting for a live holder, with a log line naming it every minute), then remove
+def holding_build_lock(poll_s: float = 0.05) -> Iterator[None]:
+    """Hold :data:`HOLDER_LOCK_NAME` (waiting for a live holder, with a log line naming it once the wait passes
+    :data:`WAIT_NOTE_AFTER_S` and every minute after: the other ranks of a node wait here on every start while the
+    first loads the built extension, a fraction of a second not worth a line), then remove
     torch's build locks left in the directory: every bert_ds process builds or loads extensions only while holding
     this lock, so a torch lock present now was left by a builder that died. A killed build thus costs the next start
     its rebuild time and no more. (A build by a program other than bert_ds in the same directory is not covered: give
@@ -160,15 +165,16 @@ def holding_build_lock(poll_s: float = 1.0) -> Iterator[None]:
     path = root / HOLDER_LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        last_note = None
+        start = last_note = time.monotonic()
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if last_note is None or time.monotonic() - last_note >= 60:
+                now = time.monotonic()
+                if (last_note == start and now - start >= WAIT_NOTE_AFTER_S) or now - last_note >= 60:
                     log.warning("waiting for the extension build of %s (holding %s)", _holder(path), path)
-                    last_note = time.monotonic()
+                    last_note = now
                 time.sleep(poll_s)
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
