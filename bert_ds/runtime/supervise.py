@@ -31,8 +31,8 @@ node's ranks without a checkpoint. Per-node launches (``--no_ssh --node_rank``, 
 then exits with the first non-zero rank code (75): a signal to the command or its process group becomes one SIGUSR1 to
 ``mpirun`` once this node's ranks have armed (so it reaches the ranks on other nodes too), and ``PR_SET_PDEATHSIG``
 sends ``mpirun`` SIGUSR1 should the supervisor be killed. A TERM sent to ``mpirun`` itself (``kill <its pid>``, or
-Slurm's TERM to every process of a job) never reaches the supervisor: Open MPI then ends the job its own way (seen:
-exit 1, the ranks' work since their last checkpoint lost).
+Slurm's TERM to every process of a step) never reaches the supervisor: Open MPI TERMs the ranks itself, after the grace
+:mod:`bert_ds.runtime.supervise_mpirun` sets, and exits 1; the ranks' reports then make the command's 75.
 """
 
 from __future__ import annotations
@@ -255,8 +255,21 @@ class _Supervisor:
                              f"after the launcher exited\n")
             proc.kill()
         self._reap()
-        return exit_code_of(self._reports(), self.runner_code, preempted=self.pending is not None,
+        reports = self._reports()
+        code = exit_code_of(reports, self.runner_code, preempted=self.pending is not None,
                             runner_knows=not self.launcher.via_runner)
+        if self.launcher.via_runner and code != self.runner_code:
+            self._explain(code, reports)
+        return code
+
+    def _explain(self, code: int, reports: dict[int, int]) -> None:
+        """One line when the command's code is not the launcher's: which status and which reports decided it."""
+        status = self.runner_code
+        said = f"exited {status}" if status >= 0 else f"was killed by signal {-status}"
+        ranks = ", ".join(str(reports[pid]) for pid in sorted(reports)) or "nothing"
+        sys.stderr.write(f"bert-ds {self.launcher.name}: {self.launcher.name} {said}; the ranks on this node reported "
+                         f"{ranks}: exit {code}\n")
+        sys.stderr.flush()
 
     def _reports(self) -> dict[int, int]:
         reports = {}

@@ -2,9 +2,9 @@
 with no process left (issue 23 item 1). One node's ``bert-ds deepspeed`` is in
 ``tests/faults/test_fault_table_preemption.py``; here two ``bert-ds deepspeed --no_ssh --node_rank`` launchers on
 this machine (two "nodes", each signalled as Slurm signals every node's step), ``mpirun -np 2`` with SIGUSR1 (Open MPI
-forwards it to the ranks) and ``bert-ds mpirun -np 2`` with SIGTERM to the command or its group (a bare ``mpirun`` ends
-the job on TERM: exit 1, ranks killed before saving; a TERM that reaches ``mpirun`` itself still does, see
-docs/launching.md)."""
+forwards it to the ranks) and ``bert-ds mpirun -np 2`` with SIGTERM to the command, its group, ``mpirun`` alone or every
+process of the tree at once, as Slurm's TERM-only pre-emption signals a step (a bare ``mpirun`` ends the job on TERM:
+exit 1, ranks killed a second after its own SIGTERM; see docs/launching.md)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ from tests.helpers.runs import weights
 pytestmark = pytest.mark.e2e
 
 
-def _args(tmp: Path, shards_128: Path, shards_512: Path, tokenizer: Path) -> list[str]:
-    return ["--recipe", str(fault_recipe(tmp / "recipe.json")), "--data", str(shards_128), str(shards_512),
-            "--tokenizer", str(tokenizer), "--output", str(tmp / "run"), "--num-workers", "1"]
+def _args(tmp: Path, shards_128: Path, shards_512: Path, tokenizer: Path, **recipe_changes) -> list[str]:
+    return ["--recipe", str(fault_recipe(tmp / "recipe.json", **recipe_changes)), "--data", str(shards_128),
+            str(shards_512), "--tokenizer", str(tokenizer), "--output", str(tmp / "run"), "--num-workers", "1"]
 
 
 def _run_and_signal(cmds: list[list[str]], logs: list[Path], sig: int | Callable[[subprocess.Popen], None],
-                    env: dict[str, str]) -> tuple[list[int], list]:
-    """Start ``cmds`` (each its own session); at the first ``step 3 |`` in the first log send ``sig`` to each
-    command (or call ``sig(process)``); return their exit codes and the processes of their trees still alive after
+                    env: dict[str, str], ready: str = r"^step 3 \|") -> tuple[list[int], list]:
+    """Start ``cmds`` (each its own session); at the first line matching ``ready`` in the first log send ``sig`` to
+    each command (or call ``sig(process)``); return their exit codes and the processes of their trees still alive after
     ``ORPHAN_GRACE_S``."""
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                               start_new_session=True) for cmd, log in zip(cmds, logs, strict=True)]
@@ -51,7 +51,7 @@ def _run_and_signal(cmds: list[list[str]], logs: list[Path], sig: int | Callable
                 seen.update({c.pid: c for c in psutil.Process(p.pid).children(recursive=True)})
             except psutil.Error:
                 pass
-        if not signalled and re.search(r"^step 3 \|", logs[0].read_text(), re.M):
+        if not signalled and re.search(ready, logs[0].read_text(), re.M):
             for p in procs:
                 sig(p) if callable(sig) else p.send_signal(sig)
             signalled = True
@@ -108,30 +108,54 @@ def test_mpirun_usr1_exits_75(shards_128, shards_512, tokenizer_dir, tmp_path):
     _preempted_tag(tmp_path / "run", log.read_text())
 
 
-def _mpirun_args(tmp: Path, shards_128: Path, shards_512: Path, tokenizer: Path) -> list[str]:
+def _mpirun_args(tmp: Path, shards_128: Path, shards_512: Path, tokenizer: Path, **recipe_changes) -> list[str]:
     return ["--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT", "-x", "PYTHONPATH", "-x",
             "OMP_NUM_THREADS", sys.executable, "-m", "bert_ds.runtime.pretrain",
-            *_args(tmp, shards_128, shards_512, tokenizer)]
+            *_args(tmp, shards_128, shards_512, tokenizer, **recipe_changes)]
+
+
+def _term_mpirun(proc: subprocess.Popen) -> None:
+    """``kill <pid of mpirun>``: the TERM reaches ``mpirun`` and nothing else."""
+    next(p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "mpirun").terminate()
+
+
+def _term_every_process(proc: subprocess.Popen) -> None:
+    """Slurm's TERM-only pre-emption: every process of the step at once (supervisor, mpirun, ranks, loader workers)."""
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        p.terminate()
+
+
+# A TERM to mpirun alone reaches the ranks supervise_mpirun.SIGKILL_TIMEOUT_S (10) s later, from Open MPI: they train
+# on meanwhile, so that row's phase 1 is long enough not to end first.
+LONG_PHASE_1 = {"phases.0.steps": 300, "phases.0.checkpoint_interval": 100, "phases.0.eval_interval": 100}
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("target", ["command", "group"])
+@pytest.mark.parametrize("target", ["command", "group", "mpirun", "every"])
 def test_supervised_mpirun_sigterm_exits_75_and_resumes_exactly(target, shards_128, shards_512, tokenizer_dir,
                                                                  tmp_path):
+    changes = LONG_PHASE_1 if target == "mpirun" else {}
     cmd = [sys.executable, "-m", "bert_ds.cli", "mpirun", *_mpirun_args(tmp_path, shards_128, shards_512,
-                                                                        tokenizer_dir)]
+                                                                        tokenizer_dir, **changes)]
     log = tmp_path / "mpirun.log"
-    send = {"command": lambda p: p.send_signal(signal.SIGTERM),
-            "group": lambda p: os.killpg(p.pid, signal.SIGTERM)}[target]
+    send = {"command": lambda p: p.send_signal(signal.SIGTERM), "group": lambda p: os.killpg(p.pid, signal.SIGTERM),
+            "mpirun": _term_mpirun, "every": _term_every_process}[target]
     env = child_env(MASTER_PORT=str(free_port()))
     codes, left = _run_and_signal([cmd], [log], send, env)
     text = log.read_text()
     assert codes == [75], (codes, text[-4000:])
     assert not left, left
-    tag = _preempted_tag(tmp_path / "run", text)
-    if target != "group":
+    if target in ("mpirun", "every"):
+        # mpirun, TERMed itself, exits 1 (and under Slurm was seen to drop the ranks' last lines): the supervisor's line
+        # says what decided the 75
+        assert re.search(r"^bert-ds mpirun: mpirun exited 1; the ranks on this node reported 75, 75: exit 75$", text,
+                         re.M), text[-3000:]
+        tag = ckpt.read_latest(tmp_path / "run" / "checkpoints")
+    else:
+        tag = _preempted_tag(tmp_path / "run", text)
+    if target in ("command", "every"):
         return
-    # the group row also resumes: --resume auto reproduces the uninterrupted run's final weights bit for bit
+    # --resume auto reproduces the uninterrupted run's final weights bit for bit
     done = subprocess.run(cmd + ["--resume", "auto"], cwd=REPO, env=child_env(MASTER_PORT=str(free_port())),
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, (tag, done.stdout[-3000:], done.stderr[-3000:])
@@ -144,3 +168,35 @@ def test_supervised_mpirun_sigterm_exits_75_and_resumes_exactly(target, shards_1
     assert ckpt.read_latest(tmp_path / "run" / "checkpoints") == final
     got, want = weights(tmp_path / "run", final), weights(reference, final)
     assert all(torch.equal(got[k], want[k]) for k in want), "the resumed run differs from the uninterrupted one"
+
+
+SLOW_SAVER = """
+import sys, time
+from bert_ds.runtime import supervise
+from bert_ds.runtime.trainer import Preemption
+preemption = Preemption()
+supervise.arm()
+print("armed", flush=True)
+while not preemption.requested:
+    time.sleep(0.05)
+time.sleep(float(sys.argv[1]))  # the rest of the step and the save
+print("saved", flush=True)
+supervise.report_exit(75)
+sys.exit(75)
+"""
+"""A rank whose step and save take ``argv[1]`` seconds after a pre-emption signal, with bert_ds's own handler."""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("launcher", "want"), [(["mpirun"], 1), ([sys.executable, "-m", "bert_ds.cli", "mpirun"], 75)])
+def test_term_to_mpirun_leaves_the_ranks_time_to_save(launcher, want, tmp_path):
+    """TERM to ``mpirun`` alone, ranks that need 3 s to save: a bare ``mpirun`` (Open MPI's 1 s from its SIGTERM to its
+    SIGKILL) kills them unsaved and exits 1; under ``bert-ds mpirun`` they save and the command exits 75."""
+    cmd = [*launcher, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable, "-c",
+           SLOW_SAVER, "3"]
+    log = tmp_path / "mpirun.log"
+    send = (lambda p: p.terminate()) if launcher == ["mpirun"] else _term_mpirun
+    codes, left = _run_and_signal([cmd], [log], send, child_env(), ready=r"^armed")
+    assert codes == [want], (codes, log.read_text()[-3000:])
+    assert not left, left
+    assert log.read_text().count("saved\n") == (2 if want == 75 else 0), log.read_text()[-3000:]

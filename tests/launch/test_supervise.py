@@ -1,6 +1,7 @@
-"""``bert-ds deepspeed`` (bert_ds.runtime.supervise) without ranks: how the job's exit code is decided, the files a
-rank reports through, and a refusal that starts nothing. The supervisor with real ranks and real signals:
-``tests/faults/test_fault_table_preemption.py``."""
+"""``bert-ds deepspeed`` (bert_ds.runtime.supervise) and ``bert-ds mpirun`` without ranks: how the job's exit code is
+decided, the files a rank reports through, the grace ``mpirun`` is given, and a refusal that starts nothing. The
+supervisor with real ranks and real signals: ``tests/faults/test_fault_table_preemption.py`` and
+``tests/launch/test_preemption_launchers.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from bert_ds.exit_codes import ExitCode
-from bert_ds.runtime import supervise
+from bert_ds.runtime import supervise, supervise_mpirun
 from tests.helpers import HANG_GUARD_S
 
 
@@ -40,9 +41,22 @@ def test_the_job_exit_code(reports, runner, signalled, want):
     ({11: 1}, 1, False, 1),  # a loader worker died on rank 11
     ({}, 137, False, 137),  # a rank SIGKILLed before reporting: mpirun's own code
     ({}, -15, True, 75),  # mpirun TERMed (not through the supervisor) during start-up
+    ({11: 75, 12: 75}, 1, False, 75),  # TERM to mpirun alone: Open MPI TERMed the ranks, they saved; mpirun exits 1
+    ({11: 0, 12: 0}, 1, False, 1),  # the same, but the run had ended first: mpirun's 1 stands
 ])
 def test_the_job_exit_code_under_mpirun(reports, runner, signalled, want):
     assert supervise.exit_code_of(reports, runner, preempted=signalled, runner_knows=False) == want
+
+
+@pytest.mark.parametrize(("argv", "environ", "want"), [
+    (["-np", "2", "prog"], {}, ["--mca", "odls_base_sigkill_timeout", "10"]),
+    (["--mca", "odls_base_sigkill_timeout", "60", "-np", "2", "prog"], {}, []),  # the user's value stands
+    (["-np", "2", "prog"], {"OMPI_MCA_odls_base_sigkill_timeout": "60"}, []),
+    (["--help"], {}, []),
+    ([], {}, []),
+])
+def test_mpirun_gets_a_sigkill_timeout_unless_the_user_set_one(argv, environ, want):
+    assert supervise_mpirun.mpirun_options(argv, environ) == want
 
 
 def test_a_rank_reports_only_under_a_supervisor(tmp_path, monkeypatch):
