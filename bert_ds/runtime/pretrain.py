@@ -48,7 +48,6 @@ import json
 import logging
 import os
 import signal
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -211,4 +210,6 @@ def _train(args: RunArgs, preemption: Preemption) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bert_ds.runtime.rank_exit import end_process
+
+    end_process(main())  # without the interpreter's teardown: seconds of garbage collection (see rank_exit)

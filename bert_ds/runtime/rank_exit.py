@@ -1,0 +1,38 @@
+"""How a rank started as ``bert_ds/runtime/pretrain.py`` (a script or ``python -m``: every launcher's command) ends
+once ``main`` has returned its exit code, its work done -- checkpoints saved, metrics closed, the run lock released,
+the code reported to the supervisor: what a normal interpreter exit would still do runs (non-daemon threads joined,
+``atexit`` handlers: the process group left, loader worker pools ended, logging flushed; Python's and C's standard
+streams flushed), then ``os._exit`` ends the process without the interpreter's teardown.
+
+That teardown is a full garbage collection of a heap holding torch, DeepSpeed and Triton, and nothing a rank needs:
+measured on a tiny 2-rank CPU run (2026-11-28, 2 cores, quiet), 1.07 s from ``main``'s return to the process's end,
+0.17 s without the collection; under load 7.5, 5-9 s (py-spy: ``gc_collect_main``) -- seconds every launch waits
+and a pre-empted job spends inside its grace period. (``gc.freeze()`` skips the collection too, but Triton's nanobind
+bindings then print leak warnings on every exit.)"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+from typing import NoReturn
+
+__all__ = ["end_process"]
+
+
+def end_process(code: int) -> NoReturn:
+    """Finish what a normal exit does, except the interpreter's teardown, and exit with ``code``."""
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()  # what Py_FinalizeEx calls; exceptions are printed, as at a normal exit
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        ctypes.CDLL(None).fflush(None)  # C stdio buffers (native libraries' printf to a pipe)
+        os._exit(code)
