@@ -46,3 +46,19 @@ def test_markers_are_registered_and_strict():
     assert registered == {"e2e", "slow", "mpi", "slurm", "gpu"}
     makefile = (REPO / "Makefile").read_text()
     assert '-m "not e2e and not slow and not slurm and not gpu"' in makefile
+
+
+
+@pytest.mark.parametrize("states, up", [(["idle"], True), (["mixed"], True), (["allocated"], True),
+                                        (["allocated*"], True), (["down*", "drained"], False), ([], False)])
+def test_a_busy_slurm_node_counts_as_up(tmp_path, monkeypatch, states, up):
+    # Another test worker's job may hold the one node when this worker probes: the tests then queue, not skip.
+    from tests.helpers import tiers
+
+    lines = "".join(f"echo '{state}'\n" for state in states)
+    for name, body in (("sbatch", "exit 0\n"), ("sinfo", lines)):
+        tool = tmp_path / name
+        tool.write_text(f"#!/bin/sh\n{body}")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert tiers.slurm_up() is up
