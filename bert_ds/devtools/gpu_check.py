@@ -24,6 +24,7 @@ with ``TRITON_INTERPRET`` set for them (triton fixes the mode at import). Result
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -581,17 +582,26 @@ def _golden_on_gpu(device: torch.device, steps: int = 8) -> tuple[bool, dict]:
 # ---------------------------------------------------------------------------------------------- AOT and the JIT
 
 
+@functools.cache
+def _recipe_launches() -> tuple:
+    """Every shipped recipe's launches (``recipe_launches.shipped_launches``: the recipes' models run on the CPU,
+    seconds), recorded once per gpu-check: the SASS check and the JIT comparison both build from them."""
+    from bert_ds.devtools.recipe_launches import shipped_launches
+
+    return tuple(shipped_launches()[0])
+
+
 def _aot_builds(targets) -> list:
     """The kernel report's builds (every shipped recipe's launches) for ``targets``; a clear error when the installed
     Triton is not the one the AOT code is written against (its internals differ: e.g. triton 3.6 has no
     ``knobs.compilation.fpsan_homomorphic_casts``)."""
-    from bert_ds.devtools.kernel_report import recipe_builds
+    from bert_ds.kernels import aot
     from bert_ds.kernels.jit import triton_version_problem
 
     problem = triton_version_problem()
     if problem is not None:
         raise RuntimeError(f"unsupported Triton version: {problem}")
-    return recipe_builds(targets)[0]
+    return aot.builds_from_launches(list(_recipe_launches()), targets)
 
 
 def _aot_sass_check() -> tuple[bool, dict]:

@@ -67,14 +67,14 @@ def _fixed_baselines(examples: list[dict]) -> list[dict[str, str]]:
     return [{e["id"]: e["context"].split()[0] for e in examples}, {e["id"]: "" for e in examples}]
 
 
-@pytest.mark.slow  # minutes of CPU fine-tuning
+@pytest.mark.slow  # a CPU fine-tune, 15 s each on 2 quiet cores
 @pytest.mark.parametrize("version", [1, 2])
 def test_squad_layout_beats_baseline(hub_bert, corpus_documents, tmp_path, version):
     train, dev = write_squad(corpus_documents, tmp_path / "squad", n_train_q=160, n_dev_q=60, version=version)
     task = f"squad_v{version}"
     out = tmp_path / "qa"
     assert main(["--model", str(hub_bert), "--task", task, "--data-dir", str(tmp_path / "squad"),
-                 "--out", str(out), "--epochs", "3", "--learning-rate", "2e-4", "--device", "cpu",
+                 "--out", str(out), "--epochs", "1", "--learning-rate", "2e-4", "--device", "cpu",
                  "--max-seq-length", "128", "--max-query-length", "48", "--doc-stride", "32", "--batch-size", "16",
                  "--logging-steps", "5"]) == 0
     metrics = json.loads((out / METRICS_NAME).read_text())
@@ -91,5 +91,7 @@ def test_squad_layout_beats_baseline(hub_bert, corpus_documents, tmp_path, versi
     print(f"{task} layout (the sentence's number replaced by 'what'): " +
           ", ".join(f"{k} {v:.1f}" for k, v in dev_scores.items() if not k.endswith("total")) +
           f"; best fixed-answer baseline F1 {baseline:.1f}")
-    # Wide by construction: 30 F1 points (of 100) above the better of the first word and (v2.0) "no answer".
+    # Wide by construction: 30 F1 points (of 100) above the better of the first word and (v2.0) "no answer". One
+    # epoch (10 steps) is plenty (2026-11-28, 2 cores): v1.1 F1 95.6 vs baseline 0.0, v2.0 F1 90.0 vs 20.0 (three
+    # epochs: 98.9 and 90.3, at three times the CPU).
     assert dev_scores["f1"] >= baseline + 30, (dev_scores, baseline)
