@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -44,3 +45,14 @@ def test_make_passes_the_order_to_xdist():
     # Without --no-loadscope-reorder xdist re-sorts the files by how many tests each holds, cheapest-heavy first.
     commands = re.findall(r"^\t\$\(PY\) -m pytest (.*)$", (REPO / "Makefile").read_text(), flags=re.M)
     assert len(commands) == 2 and all("--dist loadfile --no-loadscope-reorder" in c for c in commands), commands
+
+
+def test_a_worker_takes_its_share_of_the_cores_for_torch_threads():
+    # tests/conftest.py: 2 workers on 2 cores -> 1 intra-op thread each (in-process fine-tunes otherwise spin in OpenMP
+    # barriers against the other worker's ranks)
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers == 0 or "OMP_NUM_THREADS" in os.environ:
+        pytest.skip("not a pytest-xdist worker, or OMP_NUM_THREADS chosen by the caller")
+    assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // workers)
