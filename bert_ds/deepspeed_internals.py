@@ -6,19 +6,23 @@ shared-memory extension and buffers, its launcher module, the log lines and warn
 private ZeRO 1/2 internals below.
 
 Written against DeepSpeed 0.19.x (checked on 0.19.8): ``runtime/zero/stage_1_and_2.py`` (``DeepSpeedZeroOptimizer``)
-for the ZeRO 1/2 partition map that :class:`bert_ds.optim.ZeroAwareLamb` binds to, and for re-cutting elastic
-checkpoints on resume. DeepSpeed has no public API for either, so an upgrade may move what is read here; the version
-check refuses other releases before any compute, and ``tests/test_deepspeed_internals.py`` inspects the installed
-classes for every name listed in the ``ZERO_*`` tables below. This module reports facts and performs mechanics; its
-callers decide policy: ZeroAwareLamb what setups it refuses (:func:`zero_setup`), :mod:`bert_ds.checkpoint` what it
-resumes (:func:`recut_zero_partitions` re-cuts partitions that module has read).
+for the ZeRO 1/2 partition map that :class:`bert_ds.optim.ZeroAwareLamb` binds to and for re-cutting elastic
+checkpoints on resume; ``runtime/engine.py`` (``DeepSpeedEngine``) for the one choice bert_ds overrides, the wrapper
+that bf16 ZeRO-1 with fp32 gradient sums gets (:func:`zero1_keeps_zero_optimizer`). DeepSpeed has no public API for
+these, so an upgrade may move what is read here; the version check refuses other releases before any compute, and
+``tests/test_deepspeed_internals.py`` inspects the installed classes for every name listed in the ``ZERO_*`` tables
+and for the wrapper choice. This module reports facts and performs mechanics; its callers decide policy:
+ZeroAwareLamb what setups it refuses (:func:`zero_setup`), :mod:`bert_ds.checkpoint` what it resumes
+(:func:`recut_zero_partitions` re-cuts partitions that module has read), the engine when fp32 sums are asked for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,9 +33,9 @@ __all__ = ["LAUNCH_MODULE", "LOSS_SCALE_ATTRIBUTE", "MODEL_STATES_NAME", "PICKLE
            "SHM_BUFFER_GLOB", "SHM_COMM_BUILDER", "SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES",
            "ZERO_CHECKPOINT_KEYS",
            "ZERO_OPTIMIZER_ATTRIBUTES", "ZERO_OPTIMIZER_CLASS", "ZERO_OPTIMIZER_METHODS", "ZERO_PARTITION_FILE",
-           "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version", "is_elastic_zero_state",
-           "is_zero3_optimizer", "loss_scale", "quiet_moot_warnings", "recut_zero_partitions", "shm_comm_builder",
-           "zero_partition_map", "zero_setup"]
+           "ENGINE_WRAPPER_CHOICE", "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version",
+           "is_elastic_zero_state", "is_zero3_optimizer", "loss_scale", "quiet_moot_warnings", "recut_zero_partitions",
+           "shm_comm_builder", "zero1_keeps_zero_optimizer", "zero_partition_map", "zero_setup"]
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
 """Supported DeepSpeed releases: ``>= 0.19, < 0.20`` (the internals below are those of 0.19.x)."""
@@ -40,6 +44,7 @@ ZERO_OPTIMIZER_ATTRIBUTES = (
     "bit16_groups", "round_robin_bit16_groups", "round_robin_bit16_meta", "round_robin_bit16_offsets",
     "single_partition_of_fp32_groups", "partition_size", "parallel_partitioned_bit16_groups",
     "real_dp_process_group", "dp_process_group", "cpu_offload", "torch_autocast_gradscaler", "zenflow",
+    "gradient_accumulation_dtype", "communication_data_type",
 )
 """Instance attributes of ``DeepSpeedZeroOptimizer`` read here (set in its ``__init__``)."""
 
@@ -211,6 +216,10 @@ class ZeroSetup:
     zenflow: bool
     mixed_dp_groups: tuple[int, ...]
     """Param groups whose data-parallel group differs in size from the first (MoE expert groups)."""
+    grad_accum_dtype: torch.dtype | None = None
+    """The dtype micro-batch gradients are summed in (``gradient_accumulation_dtype``; None under stage 3)."""
+    comm_dtype: torch.dtype | None = None
+    """The dtype gradients are reduced across ranks in (``communication_data_type``; None under stage 3)."""
 
 
 def zero_setup(zero_optimizer) -> ZeroSetup:
@@ -226,7 +235,8 @@ def zero_setup(zero_optimizer) -> ZeroSetup:
     mixed = tuple(i for i, pg in enumerate(zo.real_dp_process_group) if dist.get_world_size(group=pg) != world_size)
     return ZeroSetup(stage3=False, cpu_offload=bool(zo.cpu_offload),
                      torch_autocast=zo.torch_autocast_gradscaler is not None, zenflow=bool(zo.zenflow),
-                     mixed_dp_groups=mixed)
+                     mixed_dp_groups=mixed, grad_accum_dtype=zo.gradient_accumulation_dtype,
+                     comm_dtype=zo.communication_data_type)
 
 
 def zero_partition_map(zero_optimizer) -> ZeroPartitionMap:
@@ -262,6 +272,43 @@ def zero_partition_map(zero_optimizer) -> ZeroPartitionMap:
         groups.append(ZeroGroupPartition(flat=flat, start=rank * psize, tensors=tensors,
                                          bit16_partition=zo.parallel_partitioned_bit16_groups[i][rank]))
     return ZeroPartitionMap(groups=groups, shapes=shapes, process_group=zo.dp_process_group, world_size=world_size)
+
+
+# ---------------------------------------------------------------------------------------------- wrapper choice
+ENGINE_WRAPPER_CHOICE = "_do_optimizer_sanity_check"
+"""The ``DeepSpeedEngine`` method that picks the wrapper around a client optimizer (returns ``"bf16"`` for
+BF16_Optimizer, ``"zero_optimization"`` for DeepSpeedZeroOptimizer); :func:`zero1_keeps_zero_optimizer` wraps it."""
+
+
+@contextlib.contextmanager
+def zero1_keeps_zero_optimizer() -> Iterator[None]:
+    """While active, a DeepSpeed engine built for bf16 ZeRO-1 with ``data_types.grad_accum_dtype`` fp32 wraps its
+    client optimizer in ``DeepSpeedZeroOptimizer``, as ZeRO-2 and ZeRO-1 with offload do, instead of BF16_Optimizer.
+
+    DeepSpeed 0.19 sends exactly that one case to BF16_Optimizer (``runtime/engine.py:2305-2310``,
+    ``_do_optimizer_sanity_check``), although ``DeepSpeedZeroOptimizer`` implements stage-1 fp32 accumulation itself:
+    each micro batch's bf16 gradient is added into an fp32 ``param.grad_accum`` by its gradient hook
+    (``runtime/zero/stage_1_and_2.py:397-404`` and ``:1234-1240``), reduced once per step into an fp32 partition
+    (``:1259-1300``, ``:1328-1346``). Keeping one wrapper keeps one flat layout (what ZeroAwareLamb binds to) and one
+    elastic checkpoint format (what :func:`recut_zero_partitions` re-cuts). Every other choice is DeepSpeed's own.
+    """
+    from deepspeed.runtime.constants import BFLOAT16
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+
+    original = getattr(DeepSpeedEngine, ENGINE_WRAPPER_CHOICE)
+
+    def choose(engine, basic_optimizer):
+        choice = original(engine, basic_optimizer)
+        if choice == BFLOAT16 and engine.zero_optimization() and engine.zero_optimization_stage() == 1:
+            return ZERO_OPTIMIZATION
+        return choice
+
+    setattr(DeepSpeedEngine, ENGINE_WRAPPER_CHOICE, choose)
+    try:
+        yield
+    finally:
+        setattr(DeepSpeedEngine, ENGINE_WRAPPER_CHOICE, original)
 
 
 # ---------------------------------------------------------------------------------------------- resume

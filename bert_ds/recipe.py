@@ -17,15 +17,28 @@ from typing import Any
 from bert_ds.config import MODEL_PRESETS, BertConfig, model_preset
 
 __all__ = ["OptimizerConfig", "DataSource", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "Recipe", "load_recipe",
-           "gradient_accumulation_steps", "resume_blockers"]
+           "check_grad_accum_stage", "gradient_accumulation_steps", "resume_blockers"]
 
 _KERNELS = ("auto", "triton", "torch", "apex")
 _TRUST_RATIO_RULES = ("all", "decay_only")
 """``optimizer.trust_ratio`` values; the same names as ``ZeroAwareLamb(trust_ratio=...)``."""
 _PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+_GRAD_ACCUM_DTYPES = ("fp32", "bf16")
+"""``deepspeed.grad_accum_dtype`` values (DeepSpeed's ``data_types.grad_accum_dtype`` names)."""
 _SCHEDULES = ("warmup_poly", "nvidia_poly", "composer_linear", "time_linear")
 """``phase.schedule`` values; the formulas are in :mod:`bert_ds.optim.schedule` (its ``SCHEDULES``)."""
 _DEFAULT_MASKED_LM_PROB = 0.15  # BERT paper §3.1
+
+
+def check_grad_accum_stage(grad_accum_dtype: str, zero_stage: int) -> None:
+    """Refuse fp32 gradient sums for a bf16 run where they cannot be had: without ZeRO, DeepSpeed 0.19 refuses bf16
+    with fp32 accumulation (``runtime/engine.py:2323``, "unsupported mix"); under ZeRO-3 its fp32 path is not proven
+    here (``tests/optim/test_grad_accum_bf16.py`` covers ZeRO 1/2). The recipe calls this for an explicit bf16, the
+    engine for ``auto`` once it is resolved to bf16."""
+    if grad_accum_dtype == "fp32" and zero_stage not in (1, 2):
+        raise ValueError(f"deepspeed.grad_accum_dtype='fp32' (the default) sums bf16 gradients in fp32 under ZeRO "
+                         f"stage 1 or 2 only, and deepspeed.zero_stage is {zero_stage}: set deepspeed.zero_stage to "
+                         f"1 or 2, or deepspeed.grad_accum_dtype to 'bf16' to sum in bf16")
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
@@ -244,6 +257,12 @@ class DeepSpeedSection:
     precision: str = "auto"
     """``auto``: bf16 on GPU, fp32 on CPU. ``fp16`` uses dynamic loss scaling unless ``loss_scale`` > 0.
     An explicit ``bf16`` also runs on CPU ranks (DeepSpeed's bf16 ZeRO-1/2 path); ``fp16`` on CPU is refused."""
+    grad_accum_dtype: str = "fp32"
+    """bf16 runs: the dtype gradients are summed in, over the micro batches of a step and over the ranks (DeepSpeed's
+    ``data_types.grad_accum_dtype`` and ``communication_data_type``). ``fp32`` sums the bf16 gradients to fp32
+    rounding (ZeRO 1/2 only); ``bf16``, DeepSpeed's own default, rounds the running sum to bf16 after every micro batch
+    and so drops small contributions once it has grown (docs/recipes.md, "Gradient sums under bf16"). fp32 runs sum
+    in fp32 whatever this says; fp16 runs keep DeepSpeed's loss-scaled fp16 path."""
     loss_scale: float = 0.0
     """fp16 only: 0 = dynamic loss scaling, > 0 = this static scale."""
     initial_scale_power: int = 16
@@ -283,6 +302,14 @@ class DeepSpeedSection:
             raise ValueError(f"deepspeed.zero_stage={self.zero_stage!r}: choose 0, 1, 2 or 3")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"deepspeed.precision={self.precision!r}: choose one of {_PRECISIONS}")
+        if self.grad_accum_dtype not in _GRAD_ACCUM_DTYPES:
+            raise ValueError(f"deepspeed.grad_accum_dtype={self.grad_accum_dtype!r}: choose one of "
+                             f"{_GRAD_ACCUM_DTYPES}")
+        if self.grad_accum_dtype == "bf16" and self.precision in ("fp32", "fp16"):
+            raise ValueError(f"deepspeed.grad_accum_dtype='bf16' applies to bf16 runs only; deepspeed.precision is "
+                             f"{self.precision!r} (remove the field)")
+        if self.precision == "bf16":
+            check_grad_accum_stage(self.grad_accum_dtype, self.zero_stage)
         if not self.loss_scale >= 0:
             raise ValueError(f"deepspeed.loss_scale={self.loss_scale!r} must be >= 0 (0 = dynamic)")
         if not self.gradient_clipping >= 0:
@@ -435,8 +462,9 @@ _PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_win
 _OPTIMIZER_ADDED_DEFAULTS = {"trust_ratio": "all"}
 
 
-def resume_blockers(saved: dict, current: Recipe) -> list[str]:
-    """Dotted names of the fields where ``current`` differs from a checkpoint's recipe in a way that matters."""
+def resume_blockers(saved: dict, current: Recipe, saved_precision: str | None = None) -> list[str]:
+    """Dotted names of the fields where ``current`` differs from a checkpoint's recipe in a way that matters;
+    ``saved_precision`` is the precision the checkpoint's run resolved (its run state), when known."""
     now = current.to_dict()
     diffs: list[str] = []
 
@@ -459,5 +487,12 @@ def resume_blockers(saved: dict, current: Recipe) -> list[str]:
                                      for ph in saved["phases"]]}
     if isinstance(saved.get("optimizer"), dict):
         saved = {**saved, "optimizer": {**_OPTIMIZER_ADDED_DEFAULTS, **saved["optimizer"]}}
+    ds = saved.get("deepspeed")
+    if isinstance(ds, dict) and "grad_accum_dtype" not in ds:
+        # Written before the field existed: a bf16 run summed in bf16 then; under fp32 and fp16 the field changes
+        # nothing, so the current value stands. Without the resolved precision, ``auto`` counts as bf16 (a GPU run).
+        bf16 = saved_precision == "bf16" if saved_precision else ds.get("precision", "auto") in ("auto", "bf16")
+        old = "bf16" if bf16 else now["deepspeed"]["grad_accum_dtype"]
+        saved = {**saved, "deepspeed": {**ds, "grad_accum_dtype": old}}
     walk(saved, now, "")
     return diffs

@@ -94,7 +94,9 @@ def bind_optimizer(engine) -> None:
 
     For ``ZeroAwareLamb`` under ZeRO 1/2 this binds the partition layout (exact per-tensor trust ratios); under
     stage 0 there is nothing to bind. Raises for ZeRO stage 3 and for DeepSpeed wrappers with an unknown flat
-    layout (bf16 ZeRO-1 with ``data_types.grad_accum_dtype`` fp32: BF16_Optimizer). fp16/bf16 without ZeRO never gets
+    layout: BF16_Optimizer, which DeepSpeed picks for bf16 ZeRO-1 with ``data_types.grad_accum_dtype`` fp32 unless the
+    engine is built inside ``bert_ds.deepspeed_internals.zero1_keeps_zero_optimizer`` (as
+    ``bert_ds.runtime.engine.initialize_deepspeed`` does). fp16/bf16 without ZeRO never gets
     here: DeepSpeed's FP16_UnfusedOptimizer steps the client optimizer inside ``deepspeed.initialize``, where
     ZeroAwareLamb's unbound-step guard raises (``bert_ds.runtime.engine`` refuses that setup earlier). No-op for other
     optimizers.
@@ -112,5 +114,6 @@ def bind_optimizer(engine) -> None:
         base.bind_zero(wrapped)
         return
     raise UnsupportedZeroSetup(f"ZeroAwareLamb: DeepSpeed wraps it in {type(wrapped).__name__} (ZeRO stage {stage}), "
-                              "whose flat layout is not supported; use ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer; "
-                              "with bf16, leave data_types.grad_accum_dtype unset)")
+                              "whose flat layout is not supported; use ZeRO stage 1 or 2 with DeepSpeedZeroOptimizer "
+                              "(bf16 ZeRO-1 with data_types.grad_accum_dtype fp32: build the engine with "
+                              "bert_ds.runtime.engine.initialize_deepspeed)")

@@ -18,13 +18,14 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds.config import BertConfig
-from bert_ds.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings
+from bert_ds.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings, zero1_keeps_zero_optimizer
+from bert_ds.errors import BadInput
 from bert_ds.model import BertForPreTraining
 from bert_ds.optim import GlobalNormClip, TimeBudget, bind_optimizer, build_optimizer, lr_lambda
-from bert_ds.recipe import PhaseConfig, Recipe, gradient_accumulation_steps
+from bert_ds.recipe import PhaseConfig, Recipe, check_grad_accum_stage, gradient_accumulation_steps
 
 __all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
-           "own_stage0_clip", "phase_scheduler", "resolve_precision"]
+           "fp32_grad_sums", "initialize_deepspeed", "own_stage0_clip", "phase_scheduler", "resolve_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,16 @@ def check_optimizer_support(recipe: Recipe, precision: str) -> None:
         raise ValueError(f"optimizer.name='lamb' with deepspeed.zero_stage=0 and deepspeed.precision="
                          f"{ds.precision!r} (resolved to {precision}) is not supported: ZeroAwareLamb runs without "
                          f"ZeRO in fp32 only; set deepspeed.zero_stage to 1 or 2, or deepspeed.precision to 'fp32'")
+    if precision == "bf16":
+        try:
+            check_grad_accum_stage(ds.grad_accum_dtype, ds.zero_stage)
+        except ValueError as e:
+            raise BadInput(f"{e} (deepspeed.precision={ds.precision!r} resolved to bf16)") from None
+
+
+def fp32_grad_sums(recipe: Recipe, precision: str) -> bool:
+    """Whether this run sums bf16 gradients in fp32 (``deepspeed.grad_accum_dtype``, bf16 runs under ZeRO 1/2)."""
+    return precision == "bf16" and recipe.deepspeed.grad_accum_dtype == "fp32" and recipe.deepspeed.zero_stage in (1, 2)
 
 
 def own_stage0_clip(zero_stage: int, precision: str) -> bool:
@@ -87,6 +98,15 @@ def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precis
                                             "elastic_checkpoint": True})
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+        if fp32_grad_sums(recipe, precision):
+            # Both halves of the sum in fp32: over micro batches (DeepSpeedZeroOptimizer adds each bf16 gradient into
+            # an fp32 buffer, deepspeed/runtime/zero/stage_1_and_2.py:397-404) and over ranks (its reduction runs in
+            # communication_data_type, bf16 by default: runtime/engine.py:1719-1730, stage_1_and_2.py:2374-2377).
+            # Measured on 2 CPU ranks, 64 micro batches: fp32 accumulation with a bf16 reduction is still 1e-3-2e-3
+            # off the exact sum, both in fp32 4e-9 (tests/optim/test_grad_accum_bf16.py). ZeRO-1 also needs
+            # zero1_keeps_zero_optimizer at initialize (initialize_deepspeed).
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+            config["communication_data_type"] = "fp32"
     elif precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": ds.loss_scale, "initial_scale_power": ds.initial_scale_power,
                           "loss_scale_window": ds.loss_scale_window, "hysteresis": ds.hysteresis,
@@ -167,6 +187,19 @@ def phase_scheduler(optimizer: torch.optim.Optimizer, phase: PhaseConfig,
     return LambdaLR(optimizer, factor), budget
 
 
+def initialize_deepspeed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict,
+                         scheduler: LambdaLR | None = None) -> deepspeed.DeepSpeedEngine:
+    """``deepspeed.initialize`` as bert_ds runs it, then :func:`bert_ds.optim.bind_optimizer`: bf16 ZeRO-1 with fp32
+    gradient sums keeps DeepSpeedZeroOptimizer (:func:`bert_ds.deepspeed_internals.zero1_keeps_zero_optimizer`; the
+    layout ZeroAwareLamb binds to and the checkpoint format bert_ds re-cuts), and the moot warnings stay quiet."""
+    quiet_moot_warnings()
+    with zero1_keeps_zero_optimizer():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config)
+    bind_optimizer(engine)
+    return engine
+
+
 def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, world_size: int,
                  clock: Callable[[], float] = time.monotonic) -> TrainEngine:
     """Wrap ``model`` in a DeepSpeed engine for ``recipe.phases[phase_index]`` with a fresh optimizer and schedule;
@@ -192,8 +225,6 @@ def build_engine(recipe: Recipe, phase_index: int, model: BertForPreTraining, wo
     clip = None
     if own_stage0_clip(recipe.deepspeed.zero_stage, precision):
         clip = GlobalNormClip(recipe.deepspeed.gradient_clipping).attach(optimizer)
-    quiet_moot_warnings()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    bind_optimizer(engine)
+    engine = initialize_deepspeed(model, optimizer, ds_config, scheduler)
     return TrainEngine(engine=engine, scheduler=scheduler, ds_config=ds_config, precision=precision,
                        accumulation=ds_config["gradient_accumulation_steps"], clip=clip, time_budget=budget)

@@ -310,7 +310,7 @@ def _start_point(args: RunArgs, recipe: Recipe, phases: list[int], ckpt_dir: Pat
     # verified first: everything below reads the tag's run_state.json, which its checks cover
     tag, damaged = _newest_intact(ckpt_dir, tag, rank, world_size)
     state = ckpt.read_run_state(ckpt_dir, tag)
-    blockers = resume_blockers(state["recipe"], recipe)
+    blockers = resume_blockers(state["recipe"], recipe, state.get("precision"))
     if blockers:
         raise ValueError(f"--resume auto: checkpoint {tag!r} was made with a different recipe; field(s) "
                          f"{blockers} differ from {args.recipe}. Use a new --output or the original recipe.")
