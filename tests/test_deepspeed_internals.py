@@ -143,3 +143,35 @@ def test_the_file_names_class_names_and_modules_are_deepspeeds():
 
     assert get_accelerator().create_op_builder(dsi.SHM_COMM_BUILDER) is not None
 
+
+
+def _fake_engine(stage: int):
+    """What ``DeepSpeedEngine._do_optimizer_sanity_check`` reads of an engine: bf16 model, fp32 accumulation."""
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(get_data_types=lambda: (torch.bfloat16, torch.float32), zero_optimization=lambda: True,
+                           zero_allow_untested_optimizer=lambda: True, global_rank=1,
+                           zero_optimization_stage=lambda: stage, zero_cpu_offload=lambda: False,
+                           zero_compute_grad_norm=lambda: True, pipeline_parallelism=False)
+
+
+def test_zero1_keeps_zero_optimizer_overrides_only_deepspeeds_bf16_zero1_choice(monkeypatch):
+    """DeepSpeed 0.19 gives bf16 ZeRO-1 with fp32 accumulation to BF16_Optimizer and ZeRO-2 to DeepSpeedZeroOptimizer
+    (the fact the override exists for); inside the context ZeRO-1 gets DeepSpeedZeroOptimizer too, and the engine's
+    method is DeepSpeed's own again after it."""
+    import deepspeed.runtime.engine
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    # the supported-optimizer lookup logs through deepspeed.comm, which needs a process group; Adam is on the list
+    monkeypatch.setattr(deepspeed.runtime.engine, "is_zero_supported_optimizer", lambda optimizer: True)
+    choose = getattr(DeepSpeedEngine, dsi.ENGINE_WRAPPER_CHOICE)
+    assert list(inspect.signature(choose).parameters) == ["self", "basic_optimizer"]
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    assert [choose(_fake_engine(s), adam) for s in (1, 2)] == ["bf16", "zero_optimization"]
+    with dsi.zero1_keeps_zero_optimizer():
+        routed = getattr(DeepSpeedEngine, dsi.ENGINE_WRAPPER_CHOICE)
+        assert [routed(_fake_engine(s), adam) for s in (1, 2)] == ["zero_optimization", "zero_optimization"]
+    assert getattr(DeepSpeedEngine, dsi.ENGINE_WRAPPER_CHOICE) is choose

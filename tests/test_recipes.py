@@ -252,6 +252,8 @@ def test_lamb_without_zero_refuses_half_precision_before_compute(precision):
     must refuse it up front (exit 2), naming the fields, not with a traceback after the engine is built."""
     data = _tiny()
     data["deepspeed"].update(zero_stage=0, precision=precision)
+    if precision == "bf16":  # fp32 sums (the default) are refused at stage 0 on their own: test_engine_config
+        data["deepspeed"]["grad_accum_dtype"] = "bf16"
     recipe = Recipe.from_dict(data)
     with pytest.raises(ValueError, match=r"optimizer.name='lamb' with deepspeed.zero_stage=0 and deepspeed.precision"):
         check_optimizer_support(recipe, precision)
@@ -260,3 +262,31 @@ def test_lamb_without_zero_refuses_half_precision_before_compute(precision):
     check_optimizer_support(Recipe.from_dict(data), precision)
     data["deepspeed"]["zero_stage"], data["optimizer"] = 0, {"name": "adamw"}
     check_optimizer_support(Recipe.from_dict(data), precision)
+
+
+@pytest.mark.parametrize("deepspeed, message", [
+    ({"grad_accum_dtype": "fp16"}, r"deepspeed.grad_accum_dtype='fp16': choose one of \('fp32', 'bf16'\)"),
+    ({"precision": "fp32", "grad_accum_dtype": "bf16"}, r"grad_accum_dtype='bf16' applies to bf16 runs only"),
+])
+def test_grad_accum_dtype_is_validated(deepspeed, message):
+    data = _tiny()
+    data["deepspeed"] = {**data["deepspeed"], **deepspeed}
+    with pytest.raises(ValueError, match=message):
+        Recipe.from_dict(data)
+
+
+@pytest.mark.parametrize("precision, resolved, blocked", [
+    ("bf16", None, True), ("auto", "bf16", True), ("auto", None, True), ("auto", "fp32", False), ("fp32", None, False),
+])
+def test_resume_blockers_read_a_missing_grad_accum_dtype_as_bf16_sums(precision, resolved, blocked):
+    """Checkpoints written before deepspeed.grad_accum_dtype existed summed bf16 gradients in bf16: resuming one with
+    today's default (fp32 sums) would not continue the run it was; fp32 runs never depended on the field."""
+    data = _tiny()
+    data["deepspeed"] = {**data["deepspeed"], "precision": precision}
+    recipe = Recipe.from_dict(data)
+    saved = recipe.to_dict()
+    del saved["deepspeed"]["grad_accum_dtype"]
+    assert resume_blockers(saved, recipe, resolved) == (["deepspeed.grad_accum_dtype"] if blocked else [])
+    if blocked:
+        data["deepspeed"]["grad_accum_dtype"] = "bf16"
+        assert resume_blockers(saved, Recipe.from_dict(data), resolved) == []

@@ -53,3 +53,43 @@ def test_tags_and_retention(tmp_path):
     (tmp_path / "latest").write_text("phase2-step000015")
     with pytest.raises(ValueError, match="run_state.json is missing"):
         read_latest(tmp_path)
+
+
+def _recipe(**deepspeed) -> Recipe:
+    data = json.loads(json.dumps(SMALL_RECIPE))
+    data["deepspeed"] = {**data["deepspeed"], **deepspeed}
+    return Recipe.from_dict(data)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_runs_sum_gradients_in_fp32_by_default(stage):
+    """Both halves of the sum in fp32 (over micro batches and over ranks); DeepSpeed's own bf16 sums on request, and
+    nothing changes for fp32 and fp16 runs (tests/optim/test_grad_accum_bf16.py runs these configs)."""
+    recipe = _recipe(precision="auto", zero_stage=stage)
+    ds = deepspeed_config(recipe, recipe.phases[0], world_size=2, precision="bf16")
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
+    bf16_sums = _recipe(precision="bf16", zero_stage=stage, grad_accum_dtype="bf16")
+    for other, precision in ((bf16_sums, "bf16"), (recipe, "fp32"), (recipe, "fp16")):
+        ds = deepspeed_config(other, other.phases[0], world_size=2, precision=precision)
+        assert "data_types" not in ds and "communication_data_type" not in ds, (precision, ds)
+
+
+@pytest.mark.parametrize("stage, optimizer", [(0, "adamw"), (3, "adamw")])
+def test_fp32_sums_are_refused_where_they_cannot_be_had(stage, optimizer):
+    """Without ZeRO DeepSpeed refuses bf16 with fp32 accumulation; ZeRO-3's is not proven: an ``auto`` recipe
+    resolved to bf16 (a GPU) is refused before any compute, naming the field; ``bf16`` sums are allowed."""
+    from bert_ds.errors import BadInput
+    from bert_ds.runtime.engine import check_optimizer_support
+
+    data = json.loads(json.dumps(SMALL_RECIPE))
+    data["optimizer"] = {"name": optimizer}
+    data["deepspeed"] = {**data["deepspeed"], "precision": "auto", "zero_stage": stage}
+    recipe = Recipe.from_dict(data)
+    check_optimizer_support(recipe, "fp32")  # auto on a CPU
+    with pytest.raises(BadInput, match=rf"grad_accum_dtype='fp32'.*zero_stage is {stage}.*resolved to bf16"):
+        check_optimizer_support(recipe, "bf16")
+    data["deepspeed"]["grad_accum_dtype"] = "bf16"
+    check_optimizer_support(Recipe.from_dict(data), "bf16")
+    data["deepspeed"].update(precision="bf16", grad_accum_dtype="fp32")  # explicit bf16: refused at load
+    with pytest.raises(ValueError, match=rf"deepspeed.grad_accum_dtype='fp32'.*zero_stage is {stage}"):
+        Recipe.from_dict(data)

@@ -1,9 +1,10 @@
 """One rank of the bf16 gradient-sum runs (``tests/optim/test_grad_accum_bf16.py``): ``python -m
 tests.helpers.grad_accum_worker`` on each of N CPU ranks (gloo), started by :func:`launch`.
 
-A job ``<fp32|bf16>-z<1|2>[-overlap]`` builds the engine the way ``bert_ds.runtime.engine.build_engine`` does
-(``deepspeed_config`` from a bf16 tiny_cpu recipe with ``deepspeed.grad_accum_dtype`` set, then
-``initialize_deepspeed``) around the lamb tests' TinyNet, whose odd shapes make ZeRO cut tensors at rank boundaries,
+A job ``<fp32|bf16>-z<1|2>[-overlap|-bf16comm]`` builds the engine the way ``bert_ds.runtime.engine.build_engine``
+does (``deepspeed_config`` from a bf16 tiny_cpu recipe with ``deepspeed.grad_accum_dtype`` set, then
+``initialize_deepspeed``; ``bf16comm`` drops the config's ``communication_data_type``, so ranks reduce in DeepSpeed's
+default bf16) around the lamb tests' TinyNet, whose odd shapes make ZeRO cut tensors at rank boundaries,
 and runs one optimizer step of ``GAS`` micro batches without gradient clipping. Beside the engine, a bf16 copy of the
 model takes the same micro batches (its loss must equal the engine's bit for bit, so its gradients are the ones the
 engine produced) and sums their gradients in float64.
@@ -35,12 +36,12 @@ LR = 1e-2
 TINY_CPU = Path(__file__).resolve().parents[2] / "ds_configs" / "tiny_cpu.json"
 
 
-def parse_job(job: str) -> tuple[str, int, bool]:
-    """``<fp32|bf16>-z<1|2>[-overlap]`` -> (grad_accum_dtype, ZeRO stage, overlap_comm)."""
+def parse_job(job: str) -> tuple[str, int, bool, bool]:
+    """``<fp32|bf16>-z<1|2>[-overlap|-bf16comm]`` -> (grad_accum_dtype, ZeRO stage, overlap_comm, bf16 reduction)."""
     dtype, stage, *flags = job.split("-")
-    if dtype not in ("fp32", "bf16") or stage not in ("z1", "z2") or flags not in ([], ["overlap"]):
-        raise ValueError(f"job {job!r}: expected <fp32|bf16>-z<1|2>[-overlap]")
-    return dtype, int(stage[1:]), bool(flags)
+    if dtype not in ("fp32", "bf16") or stage not in ("z1", "z2") or flags not in ([], ["overlap"], ["bf16comm"]):
+        raise ValueError(f"job {job!r}: expected <fp32|bf16>-z<1|2>[-overlap|-bf16comm]")
+    return dtype, int(stage[1:]), flags == ["overlap"], flags == ["bf16comm"]
 
 
 def job_recipe(job: str, world_size: int):
@@ -48,7 +49,7 @@ def job_recipe(job: str, world_size: int):
     ``GAS`` micro batches of ``MICRO`` per rank and step."""
     from bert_ds.recipe import Recipe
 
-    dtype, stage, overlap = parse_job(job)
+    dtype, stage, overlap, _ = parse_job(job)
     data = json.loads(TINY_CPU.read_text())
     data["deepspeed"] = {**data["deepspeed"], "precision": "bf16", "zero_stage": stage, "grad_accum_dtype": dtype,
                          "gradient_clipping": 0.0, "overlap_comm": overlap}
@@ -76,7 +77,10 @@ def run_job(job: str, out: Path) -> None:
     twin = copy.deepcopy(model).to(torch.bfloat16)
     optimizer = build_optimizer("lamb", model, phase.lr, weight_decay=recipe.optimizer.weight_decay,
                                 zero_stage=recipe.deepspeed.zero_stage)
-    engine = initialize_deepspeed(model, optimizer, deepspeed_config(recipe, phase, world, "bf16"))
+    ds_config = deepspeed_config(recipe, phase, world, "bf16")
+    if parse_job(job)[3]:
+        del ds_config["communication_data_type"]
+    engine = initialize_deepspeed(model, optimizer, ds_config)
     assert engine.gradient_accumulation_steps() == GAS
     zero = engine.optimizer
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -146,7 +150,7 @@ def _main() -> None:
 
     ap = argparse.ArgumentParser(description="bf16 gradient-sum jobs, one rank per process")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--jobs", required=True, help="comma-separated <fp32|bf16>-z<1|2>[-overlap] jobs, run in order")
+    ap.add_argument("--jobs", required=True, help="comma-separated jobs (module docstring), run in order")
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     leave_process_group_at_exit()
