@@ -47,11 +47,13 @@ def test_bf16_zero_resumes_exactly_and_on_another_rank_count(synthetic_data, tmp
             _state(straight, tag)["loader"]["consumed_global_batches"]
     moved_end = moved / "checkpoints" / "phase2-step000002"
     assert [f.name for f in moved_end.glob("*zero_pp_rank_*")] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-    # bf16 forward/backward: accumulating 2 micro batches per rank instead of 1 rounds differently in bf16, so the
-    # floor is bf16's, and it depends on the CPU's vector width: measured 1.9e-5 per tensor (6.5e-6 global) with
-    # AVX-512, 1.76e-4 per tensor with ATEN_CPU_CAPABILITY=avx2. The bounds sit at bf16's unit roundoff (2^-8 = 3.9e-3)
-    # per tensor and a tenth of it overall: 22x above the worst measured, and a re-cut that loses or swaps a partition's
-    # moments or master weights moves a tensor by a whole update, O(lr) = 1e-2 of these tiny weights and more.
+    # With gradients summed in bf16, accumulating 2 micro batches per rank instead of 1 rounded differently, so the
+    # floor was bf16's and depended on the CPU's vector width: measured 1.9e-5 per tensor (6.5e-6 global) with
+    # AVX-512, 1.76e-4 per tensor with ATEN_CPU_CAPABILITY=avx2. With fp32 sums (the default since issue 31) both
+    # stages measured 0.0 (2026-11-28, AVX-512): 4 bf16 gradients summed in fp32 in another order lose nothing here.
+    # The bounds stay at bf16's unit roundoff (2^-8 = 3.9e-3) per tensor and a tenth of it overall, so a run with
+    # grad_accum_dtype 'bf16' passes too; a re-cut that loses or swaps a partition's moments or master weights moves a
+    # tensor by a whole update, O(lr) = 1e-2 of these tiny weights and more.
     for tag in ("phase1-step000004", "phase2-step000002"):
         d = param_diffs(weights(moved, tag), weights(straight, tag))
         print(f"ZeRO-{stage} {tag} bf16 resumed 2 -> 1 ranks: {d}")
