@@ -99,9 +99,11 @@ def deepspeed_config(recipe: Recipe, phase: PhaseConfig, world_size: int, precis
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
         if fp32_grad_sums(recipe, precision):
-            # Both halves of the sum in fp32: over micro batches (DeepSpeedZeroOptimizer adds each bf16 gradient into
-            # an fp32 buffer, deepspeed/runtime/zero/stage_1_and_2.py:397-404) and over ranks (its reduction runs in
-            # communication_data_type, bf16 by default: runtime/engine.py:1719-1730, stage_1_and_2.py:2374-2377).
+            # Both halves of the sum in fp32. Over micro batches, DeepSpeed 0.19's DeepSpeedZeroOptimizer adds each
+            # bf16 gradient into fp32 (deepspeed/runtime/zero/stage_1_and_2.py:397-404): ZeRO-1 into a whole-tensor
+            # param.grad_accum (:1234-1240), ZeRO-2 the reduced gradient into its fp32 partition (:1259-1300,
+            # :1324-1326). Over ranks, the reduction runs in communication_data_type, bf16 by default
+            # (runtime/engine.py:1719-1730; the cast: stage_1_and_2.py:2376-2377).
             # Measured on 2 CPU ranks, 64 micro batches: fp32 accumulation with a bf16 reduction is still 1e-3-2e-3
             # off the exact sum, both in fp32 4e-9 (tests/optim/test_grad_accum_bf16.py). ZeRO-1 also needs
             # zero1_keeps_zero_optimizer at initialize (initialize_deepspeed).
