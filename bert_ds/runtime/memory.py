@@ -28,9 +28,9 @@ from bert_ds.config import BertConfig
 from bert_ds.errors import BadInput
 from bert_ds.recipe import Recipe
 
-__all__ = ["ActivationFit", "CARDS_GB", "GradAccumLayout", "Headroom", "MemoryEstimate", "SavedTensorCounter",
-           "StaticState", "activation_fit", "check_fits", "check_recipe_memory", "memory_per_gpu", "parameter_count",
-           "phase_estimate", "saved_activation_bytes", "static_bytes_per_rank"]
+__all__ = ["ActivationFit", "CARDS_GB", "DEFAULT_HEADROOM", "FP32_PARTITION", "GradAccumLayout", "Headroom",
+           "MemoryEstimate", "SavedTensorCounter", "StaticState", "activation_fit", "check_fits", "check_recipe_memory",
+           "memory_per_gpu", "parameter_count", "phase_estimate", "saved_activation_bytes", "static_bytes_per_rank"]
 
 GIB = 2**30
 CARDS_GB = (40, 80, 141)
@@ -255,6 +255,10 @@ class GradAccumLayout:
             raise ValueError(f"GradAccumLayout.dtype={self.dtype!r}: choose one of {sorted(_DTYPE_BYTES)} or None")
 
 
+FP32_PARTITION = GradAccumLayout()
+"""The default gradient layout: an fp32 buffer of each rank's partition beside the model-dtype gradients."""
+
+
 @dataclass(frozen=True)
 class StaticState:
     """Bytes per rank that do not depend on the micro batch, by what holds them."""
@@ -279,7 +283,7 @@ class StaticState:
 
 
 def static_bytes_per_rank(params: int, world_size: int, zero_stage: int, dtype: str = "bf16",
-                          grad_accum: GradAccumLayout = GradAccumLayout(), reduce_bucket_size: int = 500_000_000,
+                          grad_accum: GradAccumLayout = FP32_PARTITION, reduce_bucket_size: int = 500_000_000,
                           overlap_comm: bool = True, contiguous_gradients: bool = True) -> StaticState:
     """Weights, gradients, the gradient-accumulation buffer, the fp32 master partition, two fp32 optimizer moments
     and the reduce buckets held by one of ``world_size`` ranks (ZeRO, Rajbhandari et al. 2020, §5: stage 1
@@ -321,6 +325,10 @@ class Headroom:
         return int(card_bytes * (1.0 - self.fraction) - self.fixed_gib * GIB)
 
 
+DEFAULT_HEADROOM = Headroom()
+"""10% of the card + 2 GiB."""
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Expected peak bytes per GPU of one phase: static state + saved activations of one micro batch + the backward's
@@ -349,7 +357,7 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.static.total + self.activations + self.backward_working
 
-    def largest_micro_batch(self, card_bytes: int, headroom: Headroom = Headroom()) -> int:
+    def largest_micro_batch(self, card_bytes: int, headroom: Headroom = DEFAULT_HEADROOM) -> int:
         """The largest micro batch whose estimate fits ``card_bytes`` after ``headroom``; 0 when none does."""
         room = headroom.usable(card_bytes) - self.static.total - self.fit.fixed
         return max(0, room // (self.fit.per_sequence + self.per_layer_sequence))
@@ -367,7 +375,7 @@ class MemoryEstimate:
 
 def memory_per_gpu(config: BertConfig, seq_len: int, predictions: int, micro_batch: int, world_size: int,
                    zero_stage: int, dtype: str = "bf16", kernels: str = "auto", nsp: bool = True,
-                   grad_accum: GradAccumLayout = GradAccumLayout(), reduce_bucket_size: int = 500_000_000,
+                   grad_accum: GradAccumLayout = FP32_PARTITION, reduce_bucket_size: int = 500_000_000,
                    overlap_comm: bool = True, contiguous_gradients: bool = True, model: str = "") -> MemoryEstimate:
     """The :class:`MemoryEstimate` of training ``config`` at ``seq_len`` with ``micro_batch`` sequences per GPU."""
     fit = activation_fit(config, seq_len, predictions, dtype, kernels, nsp)
@@ -382,7 +390,7 @@ def memory_per_gpu(config: BertConfig, seq_len: int, predictions: int, micro_bat
                           static=static, fit=fit, per_layer_sequence=per_layer)
 
 
-def check_fits(estimate: MemoryEstimate, device_bytes: int, where: str, headroom: Headroom = Headroom()) -> None:
+def check_fits(estimate: MemoryEstimate, device_bytes: int, where: str, headroom: Headroom = DEFAULT_HEADROOM) -> None:
     """Raise :class:`~bert_ds.errors.BadInput` naming ``where`` (e.g. ``phases[0]``), its micro batch and the numbers
     when ``estimate`` exceeds what ``device_bytes`` leaves after ``headroom``."""
     usable = headroom.usable(device_bytes)
@@ -398,7 +406,7 @@ def check_fits(estimate: MemoryEstimate, device_bytes: int, where: str, headroom
 
 
 def phase_estimate(recipe: Recipe, phase: int, config: BertConfig, world_size: int, dtype: str,
-                   grad_accum: GradAccumLayout = GradAccumLayout()) -> MemoryEstimate:
+                   grad_accum: GradAccumLayout = FP32_PARTITION) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of ``recipe.phases[phase]`` on ``world_size`` GPUs in ``dtype`` (the resolved
     precision). Activation checkpointing is not modelled: with it on, the activations here are an upper bound."""
     p, ds = recipe.phases[phase], recipe.deepspeed
@@ -408,8 +416,8 @@ def phase_estimate(recipe: Recipe, phase: int, config: BertConfig, world_size: i
 
 
 def check_recipe_memory(recipe: Recipe, phases: Iterable[int], config: BertConfig, world_size: int, dtype: str,
-                        device_bytes: int | None, grad_accum: GradAccumLayout = GradAccumLayout(),
-                        headroom: Headroom = Headroom()) -> list[str]:
+                        device_bytes: int | None, grad_accum: GradAccumLayout = FP32_PARTITION,
+                        headroom: Headroom = DEFAULT_HEADROOM) -> list[str]:
     """One line per phase stating its expected peak memory per GPU; raises :class:`~bert_ds.errors.BadInput` (exit 2)
     naming the phase, its micro batch and the numbers when ``device_bytes`` (a CUDA device's memory) is given and
     the estimate exceeds it after ``headroom``. ``device_bytes=None`` (CPU ranks): stated, not checked."""
@@ -419,7 +427,11 @@ def check_recipe_memory(recipe: Recipe, phases: Iterable[int], config: BertConfi
         if recipe.deepspeed.zero_stage == 3:
             lines.append(f"{where}: expected memory per GPU not estimated (ZeRO stage 3 is outside the memory model)")
             continue
-        estimate = phase_estimate(recipe, p, config, world_size, dtype, grad_accum)
+        try:
+            estimate = phase_estimate(recipe, p, config, world_size, dtype, grad_accum)
+        except RuntimeError as exc:  # the kernel registry refuses this kernels/dtype on CUDA (its own error says why)
+            lines.append(f"{where}: expected memory per GPU not estimated: {exc}")
+            continue
         if device_bytes is not None:
             check_fits(estimate, device_bytes, where, headroom)
             fits = (f"fits the device's {device_bytes / GIB:.1f} GiB (largest micro batch that fits: "
