@@ -9,7 +9,7 @@ CUDA tensors (``auto``: the Triton varlen attention in bf16, torch twins elsewhe
 instead of run. Where a torch op saves something else off CUDA, :class:`SavedTensorCounter` counts what the CUDA op
 saves (dropout: ``native_dropout``'s bool mask; SDPA: FlashAttention's q, k, v, output and log-sum-exp). By default
 the model lives on the ``meta`` device (shapes only, no arithmetic), which counts the same storages as a CPU run
-(``tests/runtime/test_memory.py``). :func:`activation_fit` measures two batch sizes and two layer counts and checks
+(``tests/engine/test_memory_estimate.py``). :func:`activation_fit` measures two batch sizes and two layer counts and checks
 that the bytes are affine in both; :func:`memory_per_gpu` adds the static state of :func:`static_bytes_per_rank`.
 """
 
