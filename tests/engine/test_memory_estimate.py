@@ -191,3 +191,30 @@ def test_the_docs_hold_the_memory_table_as_printed():
     assert table in (REPO / "docs" / "recipes.md").read_text()
     names = {r.name for r in map(load_recipe, (REPO / "ds_configs").glob("*.json")) if r.model != "tiny"}
     assert {line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[2:]} == names
+
+
+def test_the_h100_measurement_against_the_estimate_as_docs_state_it():
+    """docs/recipes.md compares the model with the one GPU measurement (gpu-check on an H100, BERT-large bf16, fp32
+    masters + LAMB, no ZeRO, 1 GPU): its ratios, and the torch twins' extra memory, which the model predicts to the
+    report's rounding (two figures rounded to 0.01 GiB: at most 0.01 apart)."""
+    import json
+
+    report = json.loads((REPO / "docs" / "measurements" / "gpu_check_h100_2026-11-27.json").read_text())
+    docs = (REPO / "docs" / "recipes.md").read_text()
+    for item, (seq, predictions) in zip(report["items"][:2], ((128, 20), (512, 80)), strict=True):
+        runs = item["details"]
+        assert (runs["auto"]["seq"], runs["auto"]["batch"]) == (seq, 64 if seq == 128 else 16)
+        batch, measured = runs["auto"]["batch"], runs["auto"]["max_memory_gib"]
+        estimate = memory.memory_per_gpu(LARGE, seq, predictions, batch, world_size=1, zero_stage=0, dtype="bf16")
+        grads = estimate.static.gradients + estimate.static.grad_accum
+        assert f"{measured:.2f} GiB" in docs and f"says {estimate.total / GIB:.1f} GiB for both" in docs
+        assert f"measured / estimate = {measured * GIB / estimate.total:.2f}" in docs
+        assert f"gradients ({grads / GIB:.2f} GiB)" in docs
+        assert f"it says {(estimate.total - grads) / GIB:.1f} GiB (measured / estimate = " \
+               f"{measured * GIB / (estimate.total - grads):.2f})" in docs
+        twins = memory.activation_fit(LARGE, seq, predictions, kernels="torch").per_sequence
+        extra = (twins - activation_fit(LARGE, seq, predictions).per_sequence) * batch / GIB
+        assert abs(extra - (runs["torch"]["max_memory_gib"] - measured)) <= 0.01 + 1e-9
+    short = (memory.activation_fit(LARGE, 128, 20, kernels="torch").per_sequence
+             - activation_fit(LARGE, 128, 20).per_sequence)
+    assert f"keeps {short / 1e6:.1f} MB more per sequence of 128" in docs
