@@ -23,7 +23,7 @@ from bert_ds.recipe import load_recipe
 from bert_ds.runtime import memory
 from bert_ds.runtime.memory import GIB, GradAccumLayout, Headroom, MemoryEstimate
 
-__all__ = ["MemoryTableArgs", "Row", "gpu_recipe_estimates", "main", "memory_table"]
+__all__ = ["MemoryTableArgs", "Row", "gpu_recipe_estimates", "main", "memory_table", "static_table"]
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 BERT_VOCAB = 30522  # Google's uncased WordPiece vocabulary (REFERENCE.md); the recipes' shards set the real size
@@ -94,12 +94,30 @@ def memory_table(rows: list[Row], headroom: Headroom = memory.DEFAULT_HEADROOM) 
     return "\n".join(lines) + "\n"
 
 
+def static_table(world_size: int, vocab_size: int = BERT_VOCAB,
+                 grad_accum: GradAccumLayout = memory.FP32_PARTITION) -> str:
+    """A markdown table of the static state per rank of BERT-base and BERT-large in bf16 under ZeRO 1 and 2 (the
+    recipes' reduce buckets: DeepSpeed's default 5e8 elements, two with ``overlap_comm``)."""
+    from bert_ds.config import model_preset
+
+    lines = ["| Model | Parameters | ZeRO | Weights GiB | Gradients GiB | fp32 gradient buffer GiB | "
+             "Master + moments GiB | Reduce buckets GiB | Static GiB per GPU |", "|---" * 9 + "|"]
+    for name in ("base", "large"):
+        params = memory.parameter_count(model_preset(name, vocab_size=vocab_size, pad_vocab_to_multiple_of=64))
+        for stage in (1, 2):
+            s = memory.static_bytes_per_rank(params, world_size, stage, "bf16", grad_accum)
+            cells = [s.weights, s.gradients, s.grad_accum, s.master + s.optimizer, s.buckets, s.total]
+            lines.append(f"| {name} | {params:,} | {stage} | " + " | ".join(f"{c / GIB:.2f}" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _run(args: MemoryTableArgs) -> int:
     rows = gpu_recipe_estimates(args.world_size, args.vocab_size)
     headroom = memory.DEFAULT_HEADROOM
     sys.stdout.write(f"World size {args.world_size}; headroom {headroom.fraction:.0%} of the card + "
                      f"{headroom.fixed_gib:g} GiB; 1 GB = 1e9 bytes, 1 GiB = 2^30 bytes\n\n")
     sys.stdout.write(memory_table(rows, headroom))
+    sys.stdout.write("\n" + static_table(args.world_size, args.vocab_size))
     return 0
 
 
