@@ -8,9 +8,10 @@ activations). It runs inside :func:`bert_ds.kernels.jit.record_launches`, so the
 CUDA tensors (``auto``: the Triton varlen attention in bf16, torch twins elsewhere) and Triton launches are recorded
 instead of run. Where a torch op saves something else off CUDA, :class:`SavedTensorCounter` counts what the CUDA op
 saves (dropout: ``native_dropout``'s bool mask; SDPA: FlashAttention's q, k, v, output and log-sum-exp). By default
-the model lives on the ``meta`` device (shapes only, no arithmetic), which counts the same storages as a CPU run
-(``tests/engine/test_memory_estimate.py``). :func:`activation_fit` measures two batch sizes and two layer counts and checks
-that the bytes are affine in both; :func:`memory_per_gpu` adds the static state of :func:`static_bytes_per_rank`.
+the model lives on the ``meta`` device (shapes only, no arithmetic), which counts the storages a CPU run counts but
+LayerNorm's statistics (fp32 there as on CUDA; tests/engine/test_memory_estimate.py). :func:`activation_fit` measures
+two batch sizes and two layer counts and checks that the bytes are affine in both; :func:`memory_per_gpu` adds the
+static state of :func:`static_bytes_per_rank`.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def saved_activation_bytes(config: BertConfig, batch: int, seq_len: int, predict
     full-length sequences of ``seq_len`` with ``predictions`` masked positions each, as a CUDA device would save
     them (see the module docstring). ``device``: ``meta`` (shapes only) or ``cpu`` (computes)."""
     from bert_ds.kernels.jit import record_launches
+    from bert_ds.kernels.registry import fallback_warnings_held
     from bert_ds.model import BertForPreTraining
     from bert_ds.model.unpad import host_counts
 
@@ -161,7 +163,7 @@ def saved_activation_bytes(config: BertConfig, batch: int, seq_len: int, predict
     counts = host_counts(data["attention_mask"], data["masked_lm_ids"])
     data = {k: v.to(device) for k, v in data.items()}
     counter = SavedTensorCounter(exclude=model.parameters(), cuda_saves=cuda_saves)
-    with torch.enable_grad(), record_launches(), counter.counting():
+    with torch.enable_grad(), record_launches(), counter.counting(), fallback_warnings_held():
         model(**data, counts=counts)
     return counter.total
 

@@ -217,14 +217,17 @@ def _model_config(args: RunArgs, recipe: Recipe, tokenizer) -> BertConfig:
 def _state_memory(recipe: Recipe, phases: list[int], model_config: BertConfig, precision: str, world_size: int,
                   rank: int, device_type: str) -> None:
     """Log each phase's expected peak memory per GPU (rank 0); on CUDA, refuse (exit 2) a phase whose micro batch
-    the device cannot hold (:mod:`bert_ds.runtime.memory`). Every rank checks its own device."""
+    the device cannot hold (:mod:`bert_ds.runtime.memory`). Every rank checks the GPU it trains on (``LOCAL_RANK``)."""
+    import os
+
     import torch
 
     from bert_ds.runtime.memory import check_recipe_memory
 
     device_bytes = None
     if device_type == "cuda":
-        device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        device_bytes = torch.cuda.get_device_properties(index).total_memory
     for line in check_recipe_memory(recipe, phases, model_config, world_size, precision, device_bytes):
         if rank == 0:
             log.info("expected memory: %s", line)

@@ -219,3 +219,30 @@ def test_the_h100_measurement_against_the_estimate_as_docs_state_it():
     short = (memory.activation_fit(LARGE, 128, 20, kernels="torch").per_sequence
              - activation_fit(LARGE, 128, 20).per_sequence)
     assert f"keeps {short / 1e6:.1f} MB more per sequence of 128" in docs
+
+
+def test_the_estimate_leaves_the_runs_fallback_warning_to_the_run():
+    """Tracing the model for the estimate resolves kernels as on CUDA (fp32 attention falls back to the twin, with a
+    warning once per process); that once must still be the run's."""
+    import warnings
+
+    from bert_ds.kernels import registry
+
+    key = "test-memory-held"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with registry.fallback_warnings_held():
+            registry.warn_fallback_once(key, "held")
+    assert seen == []
+    with pytest.warns(RuntimeWarning, match="the run's"):
+        registry.warn_fallback_once(key, "the run's")
+    with warnings.catch_warnings(record=True) as again:  # the fault held back: a remembered key never warns again
+        warnings.simplefilter("always")
+        registry.warn_fallback_once(key, "the run's")
+    assert again == []
+    config = model_preset("tiny", vocab_size=1000, num_hidden_layers=2)
+    with warnings.catch_warnings(record=True) as traced:
+        warnings.simplefilter("always")
+        saved_activation_bytes(config, 1, 32, 5, "fp32")  # fp32 attention: the twin, as on CUDA
+    assert [w for w in traced if issubclass(w.category, RuntimeWarning)] == []
+    assert "varlen_attention-fp32" not in registry._warned
