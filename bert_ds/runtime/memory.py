@@ -184,8 +184,8 @@ class ActivationFit:
 
 
 def activation_fit(config: BertConfig, seq_len: int, predictions: int, dtype: str = "bf16", kernels: str = "auto",
-                   nsp: bool = True, device: str = "meta", layer_counts: tuple[int, ...] = (2, 3),
-                   batch_sizes: tuple[int, ...] = (1, 2)) -> ActivationFit:
+                   nsp: bool = True, device: str = "meta", layer_counts: tuple[int, ...] = (2, 3, 4),
+                   batch_sizes: tuple[int, ...] = (1, 2, 3)) -> ActivationFit:
     """Measure :func:`saved_activation_bytes` at every (layers, batch) of ``layer_counts`` x ``batch_sizes`` and fit
     bytes = a + b * batch with a and b affine in layers. More than two of either are checked to lie exactly on the
     line (``ValueError`` otherwise, naming the point): the saved bytes are sums of tensor sizes, each linear in the
