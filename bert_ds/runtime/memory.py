@@ -188,8 +188,8 @@ def activation_fit(config: BertConfig, seq_len: int, predictions: int, dtype: st
                    batch_sizes: tuple[int, ...] = (1, 2, 3)) -> ActivationFit:
     """Measure :func:`saved_activation_bytes` at every (layers, batch) of ``layer_counts`` x ``batch_sizes`` and fit
     bytes = a + b * batch with a and b affine in layers. More than two of either are checked to lie exactly on the
-    line (``ValueError`` otherwise, naming the point): the saved bytes are sums of tensor sizes, each linear in the
-    batch and the same in every layer but the last, so the fit is exact, not approximate."""
+    line (``ArithmeticError`` otherwise, naming the point: a bug, not bad input): the saved bytes are sums of tensor
+    sizes, each linear in the batch and the same in every layer but the last, so the fit is exact, not approximate."""
     key = (tuple(sorted(dataclasses.asdict(config).items())), seq_len, predictions, dtype, kernels, nsp, device,
            tuple(layer_counts), tuple(batch_sizes))
     if key not in _FITS:  # preflight asks once per phase; the gpu-check and the table ask again in one process
@@ -220,11 +220,12 @@ def _exact_line(points: list[tuple[int, int]], what: str) -> tuple[int, int]:
     """(slope, intercept) through the first two points, every other point checked to be on it exactly."""
     (x0, y0), (x1, y1) = points[:2]
     if (y1 - y0) % (x1 - x0):
-        raise ValueError(f"saved bytes are not affine in {what}: {points}")
+        raise ArithmeticError(f"saved bytes are not affine in {what}: {points}")
     slope = (y1 - y0) // (x1 - x0)
     for x, y in points[2:]:
         if y != y0 + slope * (x - x0):
-            raise ValueError(f"saved bytes are not affine in {what}: {(x, y)} is off the line through {points[:2]}")
+            raise ArithmeticError(f"saved bytes are not affine in {what}: {(x, y)} is off the line through "
+                                  f"{points[:2]}")
     return slope, y0 - slope * x0
 
 
