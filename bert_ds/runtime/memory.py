@@ -10,7 +10,7 @@ instead of run. Where a torch op saves something else off CUDA, :class:`SavedTen
 saves (dropout: ``native_dropout``'s bool mask; SDPA: FlashAttention's q, k, v, output and log-sum-exp). By default
 the model lives on the ``meta`` device (shapes only, no arithmetic), which counts the storages a CPU run counts but
 LayerNorm's statistics (fp32 there as on CUDA; tests/engine/test_memory_estimate.py). :func:`activation_fit` measures
-two batch sizes and two layer counts and checks that the bytes are affine in both; :func:`memory_per_gpu` adds the
+three batch sizes and three layer counts and checks that the bytes are exactly affine in both; :func:`memory_per_gpu` adds the
 static state of :func:`static_bytes_per_rank`.
 """
 
