@@ -10,8 +10,8 @@ instead of run. Where a torch op saves something else off CUDA, :class:`SavedTen
 saves (dropout: ``native_dropout``'s bool mask; SDPA: FlashAttention's q, k, v, output and log-sum-exp). By default
 the model lives on the ``meta`` device (shapes only, no arithmetic), which counts the storages a CPU run counts but
 LayerNorm's statistics (fp32 there as on CUDA; tests/engine/test_memory_estimate.py). :func:`activation_fit` measures
-three batch sizes and three layer counts and checks that the bytes are exactly affine in both; :func:`memory_per_gpu` adds the
-static state of :func:`static_bytes_per_rank`.
+three batch sizes and three layer counts and checks that the bytes are exactly affine in both;
+:func:`memory_per_gpu` adds the static state of :func:`static_bytes_per_rank`.
 """
 
 from __future__ import annotations
