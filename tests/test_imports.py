@@ -54,7 +54,7 @@ create/reader -> loader. Modules of the same stage may import each other; none i
 NO_DEEPSPEED = ["bert_ds.deepspeed_internals",
                 "bert_ds.model", "bert_ds.data", "bert_ds.data.create", "bert_ds.data.loader", "bert_ds.export",
                 "bert_ds.checkpoint", "bert_ds.safe_load", "bert_ds.evaluate", "bert_ds.downstream.finetune",
-                "bert_ds.downstream.features"]
+                "bert_ds.downstream.features", "bert_ds.runtime.memory"]
 
 
 def imported_modules(source: str, package: str) -> set[str]:

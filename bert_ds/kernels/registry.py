@@ -11,14 +11,16 @@ what a GPU would launch.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from .jit import interpreter_enabled, recording, triton_version_problem
 from .layer_norm import apex_available
 
-__all__ = ["AUTO_TRITON_ON_CUDA", "BACKENDS", "FP32_ATTENTION_REFUSED", "OPS", "resolve_backend",
-           "warn_fallback_once"]
+__all__ = ["AUTO_TRITON_ON_CUDA", "BACKENDS", "FP32_ATTENTION_REFUSED", "OPS", "fallback_warnings_held",
+           "resolve_backend", "warn_fallback_once"]
 
 BACKENDS = ("auto", "triton", "torch", "apex")
 OPS = ("layer_norm", "bias_gelu", "attention", "varlen_attention")
@@ -44,6 +46,19 @@ def warn_fallback_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@contextmanager
+def fallback_warnings_held() -> Iterator[None]:
+    """Inside the block fallback warnings are neither shown nor remembered: a trace of the model that is not the run
+    (the memory estimate, :mod:`bert_ds.runtime.memory`) leaves the run's own first fallback to warn."""
+    before = set(_warned)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            yield
+    finally:
+        _warned.intersection_update(before)
 
 
 def resolve_backend(op: str, requested: str, device: torch.device, dtype: torch.dtype | None = None) -> str:

@@ -214,6 +214,25 @@ def _model_config(args: RunArgs, recipe: Recipe, tokenizer) -> BertConfig:
     return hf_config
 
 
+def _state_memory(recipe: Recipe, phases: list[int], model_config: BertConfig, precision: str, world_size: int,
+                  rank: int, device_type: str) -> None:
+    """Log each phase's expected peak memory per GPU (rank 0); on CUDA, refuse (exit 2) a phase whose micro batch
+    the device cannot hold (:mod:`bert_ds.runtime.memory`). Every rank checks the GPU it trains on (``LOCAL_RANK``)."""
+    import os
+
+    import torch
+
+    from bert_ds.runtime.memory import check_recipe_memory
+
+    device_bytes = None
+    if device_type == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        device_bytes = torch.cuda.get_device_properties(index).total_memory
+    for line in check_recipe_memory(recipe, phases, model_config, world_size, precision, device_bytes):
+        if rank == 0:
+            log.info("expected memory: %s", line)
+
+
 def _check_init_vocabulary(args: RunArgs, tokenizer) -> None:
     """The checkpoint's embedding row ``i`` is the token its own vocabulary puts at id ``i``: it must be the token
     ``--tokenizer`` (and so the shards) put there, or training starts from rows that mean other words. The same size
@@ -447,6 +466,7 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
     check_optimizer_support(recipe, precision)  # refusals name the recipe fields
     model_config = _model_config(args, recipe, tokenizer)
+    _state_memory(recipe, phases, model_config, precision, world_size, rank, get_accelerator().device_name())
     _check_shards(recipe, phases, {**data_labels, "--eval-data": eval_sources}, world_size,
                   tokenizer.vocab_sha256, tokenizer.vocab_size, args.verify_shards, tokenizer.lowercase, args.tokenizer)
     run_dir = Path(args.output)

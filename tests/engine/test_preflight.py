@@ -88,3 +88,18 @@ def test_the_plan_carries_typed_arguments_not_argparse(synthetic_data, tmp_path)
     assert plan.args.max_steps == 3 and plan.args.resume == "none"
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.args.max_steps = 4
+
+
+def test_the_plan_states_each_phases_expected_memory(synthetic_data, tmp_path, caplog):
+    """Pre-flight logs every phase's expected peak memory per GPU (bert_ds.runtime.memory); on CPU ranks it is
+    stated, not checked (the refusal on a CUDA device is tests/engine/test_memory_estimate.py's, with a fake device
+    size)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="bert_ds.runtime.preflight"):
+        _plan(tmp_path, synthetic_data, world_size=2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("expected memory: ")]
+    assert [line.split(":")[1].strip() for line in lines] == ["phases[0]", "phases[1]"]
+    assert "tiny seq 128, micro batch 1, fp32, ZeRO-2 on 2 GPU(s)" in lines[0]
+    assert "tiny seq 512, micro batch 1" in lines[1]
+    assert all("GiB expected per GPU" in line and "not checked against a device (no CUDA)" in line for line in lines)
