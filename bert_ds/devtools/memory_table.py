@@ -59,8 +59,9 @@ class Row:
 
 
 def gpu_recipe_estimates(world_size: int, vocab_size: int = BERT_VOCAB, root: Path = RECIPE_DIR,
-                         grad_accum: GradAccumLayout = memory.FP32_PARTITION) -> list[Row]:
-    """One :class:`Row` for every phase of every non-tiny recipe under ``root``."""
+                         grad_accum: GradAccumLayout | None = None) -> list[Row]:
+    """One :class:`Row` for every phase of every non-tiny recipe under ``root`` (``grad_accum`` None: each recipe's
+    own layout, :func:`bert_ds.runtime.memory.recipe_grad_accum`)."""
     from bert_ds.runtime.engine import resolve_precision  # imports deepspeed: only when called
 
     out = []

@@ -31,7 +31,8 @@ from bert_ds.recipe import Recipe
 
 __all__ = ["ActivationFit", "CARDS_GB", "DEFAULT_HEADROOM", "FP32_PARTITION", "GradAccumLayout", "Headroom",
            "MemoryEstimate", "SavedTensorCounter", "StaticState", "activation_fit", "check_fits", "check_recipe_memory",
-           "memory_per_gpu", "parameter_count", "phase_estimate", "saved_activation_bytes", "static_bytes_per_rank"]
+           "memory_per_gpu", "parameter_count", "phase_estimate", "recipe_grad_accum", "saved_activation_bytes",
+           "static_bytes_per_rank"]
 
 GIB = 2**30
 CARDS_GB = (40, 80, 141)
@@ -262,6 +263,16 @@ FP32_PARTITION = GradAccumLayout()
 """The default gradient layout: an fp32 buffer of each rank's partition beside the model-dtype gradients."""
 
 
+def recipe_grad_accum(zero_stage: int, grad_accum_dtype: str, dtype: str) -> GradAccumLayout:
+    """The gradient layout a run with ``deepspeed.grad_accum_dtype`` keeps (``runtime.engine.deepspeed_config``).
+    bf16 ZeRO-1 summing in fp32 keeps a whole-model fp32 ``param.grad_accum`` (DeepSpeed 0.19
+    ``runtime/zero/stage_1_and_2.py:1234-1240``); every other ZeRO 1/2 run holds at most an fp32 copy of its gradient
+    partition (the fp32 sum under ZeRO-2, or the cast DeepSpeed's step makes of bf16 sums)."""
+    if dtype == "bf16" and grad_accum_dtype == "fp32" and zero_stage == 1:
+        return GradAccumLayout("fp32", partitioned=False)
+    return FP32_PARTITION
+
+
 @dataclass(frozen=True)
 class StaticState:
     """Bytes per rank that do not depend on the micro batch, by what holds them."""
@@ -409,17 +420,19 @@ def check_fits(estimate: MemoryEstimate, device_bytes: int, where: str, headroom
 
 
 def phase_estimate(recipe: Recipe, phase: int, config: BertConfig, world_size: int, dtype: str,
-                   grad_accum: GradAccumLayout = FP32_PARTITION) -> MemoryEstimate:
+                   grad_accum: GradAccumLayout | None = None) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of ``recipe.phases[phase]`` on ``world_size`` GPUs in ``dtype`` (the resolved
     precision). Activation checkpointing is not modelled: with it on, the activations here are an upper bound."""
     p, ds = recipe.phases[phase], recipe.deepspeed
+    if grad_accum is None:
+        grad_accum = recipe_grad_accum(ds.zero_stage, ds.grad_accum_dtype, dtype)
     return memory_per_gpu(config, p.seq_len, p.max_predictions, p.micro_batch_size, world_size, ds.zero_stage, dtype,
                           recipe.kernels, recipe.nsp, grad_accum, ds.reduce_bucket_size, ds.overlap_comm,
                           ds.contiguous_gradients, model=recipe.model)
 
 
 def check_recipe_memory(recipe: Recipe, phases: Iterable[int], config: BertConfig, world_size: int, dtype: str,
-                        device_bytes: int | None, grad_accum: GradAccumLayout = FP32_PARTITION,
+                        device_bytes: int | None, grad_accum: GradAccumLayout | None = None,
                         headroom: Headroom = DEFAULT_HEADROOM) -> list[str]:
     """One line per phase stating its expected peak memory per GPU; raises :class:`~bert_ds.errors.BadInput` (exit 2)
     naming the phase, its micro batch and the numbers when ``device_bytes`` (a CUDA device's memory) is given and

@@ -149,6 +149,18 @@ def test_static_state_per_rank_under_zero_1_and_2():
         static_bytes_per_rank(n, world, 3)
 
 
+def test_a_recipes_gradient_sums_decide_the_gradient_buffer():
+    # bf16 ZeRO-1 summing in fp32 keeps a whole-model fp32 buffer; ZeRO-2 (and bf16 sums) an fp32 partition.
+    assert memory.recipe_grad_accum(1, "fp32", "bf16") == GradAccumLayout("fp32", partitioned=False)
+    assert memory.recipe_grad_accum(2, "fp32", "bf16") == memory.FP32_PARTITION
+    assert memory.recipe_grad_accum(1, "bf16", "bf16") == memory.FP32_PARTITION
+    recipe = load_recipe(REPO / "ds_configs" / "bert_large.json")
+    zero1 = dataclasses.replace(recipe, deepspeed=dataclasses.replace(recipe.deepspeed, zero_stage=1))
+    config = dataclasses.replace(recipe.model_config(30522), num_hidden_layers=2)
+    small = memory.phase_estimate(zero1, 0, config, 8, "bf16")
+    assert small.static.grad_accum == 4 * memory.parameter_count(config)
+
+
 def test_the_largest_micro_batch_is_the_last_that_fits():
     recipe = load_recipe(REPO / "ds_configs" / "bert_large.json")
     config = recipe.model_config(30522)
