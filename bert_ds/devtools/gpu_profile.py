@@ -33,7 +33,7 @@ CATEGORIES = ("gemm", "attention", "norm_elementwise", "optimizer", "communicati
 # Order matters: the first matching pattern wins (fmha_cutlass is attention, not a GEMM; nccl before anything).
 _PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((cat, re.compile(p, re.IGNORECASE)) for cat, p in (
     ("communication", r"nccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast_|gloo"),
-    ("optimizer", r"multi_tensor_apply|_foreach_|lamb|adam|optimizer"),
+    ("optimizer", r"multi_tensor_apply|_foreach_|lamb(?!da)|adam"),  # not "lambda" (every elementwise kernel)
     ("attention", r"flash|fmha|attn|attention|_varlen_(fwd|bwd)|scaled_dot_product"),
     ("gemm", r"gemm|xmma|cutlass|nvjet|cublas|s16816|s1688|wgmma|splitkreduce|aten::(mm|addmm|bmm|baddbmm|addbmm|"
              r"matmul|linear|_addmm_activation)$"),

@@ -241,6 +241,10 @@ def resume_rule(uninterrupted: dict, resumed: dict, rerun: dict | None = None) -
         return False, details
     noise = {k: max(abs(a - b) for a, b in zip(rerun[k], uninterrupted[k], strict=True)) for k in keys}
     details["rerun_max_gap"] = noise
+    if rerun["weights_equal"] and not any(noise.values()):
+        details["reason"] = f"the rerun is bit for bit (deterministic), the resumed run is not (max gaps {gaps}, " \
+                            f"final weights equal: {resumed['weights_equal']})"
+        return False, details
     over = [k for k in keys if not gaps[k] <= 2 * noise[k]]
     if over:
         details["reason"] = f"resumed run leaves 2x the run-to-run difference in {over}: {gaps} vs {noise}"

@@ -9,7 +9,8 @@ The count is the model's own forward and backward (no DeepSpeed gradient hooks, 
 The count is constant + per_layer * layers + per_sequence * batch: every encoder layer issues the same ops, and the
 last layer attends from its few query rows with one SDPA call per sequence (``bert_ds.model.layers``), so a batch of B
 adds B times that. :func:`micro_batch_launches` counts six small points, checks each against the formula and
-extrapolates exactly to 24 layers and the recipe's micro batch.
+extrapolates exactly to 24 layers and the recipe's micro batch. The points run on ``meta`` tensors (seconds; a test
+checks that a count on real CPU tensors is the same).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from bert_ds.config import BertConfig
 from bert_ds.devtools.bench_step import predictions_for, synthetic_batch
 from bert_ds.kernels.jit import record_launches
 
-__all__ = ["LaunchCount", "aten_name_launches_kernel", "count_launches", "launches_kernel", "micro_batch_launches"]
+__all__ = ["LaunchCount", "aten_name_launches_kernel", "count_launches", "launches_kernel", "micro_batch_launch_count",
+           "micro_batch_launches"]
 
 # Ops that only allocate or re-describe memory: no kernel on a CUDA device (views are found from their schemas).
 _NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
@@ -88,28 +90,40 @@ def count_launches(fn) -> LaunchCount:
     return count
 
 
-def _model(config: BertConfig, kernels: str, dtype: torch.dtype):
+def _model(config: BertConfig, kernels: str, dtype: torch.dtype, device: torch.device):
     from bert_ds.model import BertForPreTraining
 
     torch.manual_seed(0)
-    return BertForPreTraining(config, kernels=kernels).to(dtype).train()
+    with device:
+        return BertForPreTraining(config, kernels=kernels).to(dtype).train()
 
 
 def _micro_batch(model, seq: int, batch: int) -> int:
-    data = synthetic_batch(model.config, batch, seq, predictions_for(seq), torch.device("cpu"))
+    device = next(model.parameters()).device
+    data = synthetic_batch(model.config, batch, seq, predictions_for(seq), torch.device("cpu"))  # counts on the host
+    data = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
     model.zero_grad(set_to_none=True)
     return count_launches(lambda: model(**data).loss.backward()).total
 
 
+def micro_batch_launch_count(config: BertConfig, seq: int, batch: int, kernels: str = "auto",
+                             dtype: torch.dtype = torch.bfloat16, device: str = "meta") -> int:
+    """Launches of one training micro batch of ``config`` at ``batch`` x ``seq``, counted directly: on ``meta``
+    tensors (no arithmetic, the same ops dispatched; the batch's host counts make the forward read nothing back) or
+    on real CPU tensors."""
+    return _micro_batch(_model(config, kernels, dtype, torch.device(device)), seq, batch)
+
+
 def micro_batch_launches(config: BertConfig, seq: int, batch: int, kernels: str = "auto",
-                         dtype: torch.dtype = torch.bfloat16) -> dict:
+                         dtype: torch.dtype = torch.bfloat16, device: str = "meta") -> dict:
     """Launches of one training micro batch (forward + backward) of ``config`` at ``batch`` x ``seq`` on the CUDA
     path, from small counts: count(L, B) = constant + per_layer * L + per_sequence * B, measured at L in (2, 3, 4)
     and B in (2, 3, 4), checked on every point (equal increments, no L x B term at (3, 3)) and extrapolated exactly
-    to ``config.num_hidden_layers`` and ``batch``. Raises ``RuntimeError`` when a point leaves the formula."""
+    to ``config.num_hidden_layers`` and ``batch`` (on ``device``: see :func:`micro_batch_launch_count`). Raises
+    ``RuntimeError`` when a point leaves the formula."""
     points: dict[tuple[int, int], int] = {}
     for layers, batches in ((2, (2, 3, 4)), (3, (2, 3)), (4, (2,))):
-        model = _model(dataclasses.replace(config, num_hidden_layers=layers), kernels, dtype)
+        model = _model(dataclasses.replace(config, num_hidden_layers=layers), kernels, dtype, torch.device(device))
         for b in batches:
             points[(layers, b)] = _micro_batch(model, seq, b)
         del model
