@@ -166,7 +166,7 @@ def test_a_real_cpu_profile_of_the_tiny_step_accounts_for_its_time():
     assert names.get("aten::mm", "gemm") == "gemm" and any(c == "gemm" for c in names.values())
 
 
-def test_profile_training_profiles_the_recipe_batch_and_the_largest_that_fits():
+def test_profile_training_profiles_the_recipe_batch_and_the_largest_that_fits(capsys):
     # The GPU item's code on the CPU: the tiny preset, a cap of 4x the starting batch (no out-of-memory here).
     from bert_ds.config import model_preset
     from bert_ds.devtools.bench_step import BenchStep
@@ -184,3 +184,9 @@ def test_profile_training_profiles_the_recipe_batch_and_the_largest_that_fits():
     assert details["recipe_batch"]["batch"] == 2 and details["largest_batch"]["batch"] == 8
     for key in ("recipe_batch", "largest_batch"):
         assert details[key]["rule_check"]["categories_sum_ms"] == pytest.approx(details[key]["step_ms"], rel=1e-3)
+    # gpu-check prints both profiles as tables under the item's line.
+    from bert_ds.devtools.gpu_check import PASSED, Item, _print_item
+
+    _print_item(Item("profile.large.s128", PASSED, 1.0, details))
+    printed = capsys.readouterr().out
+    assert "recipe_batch 2:" in printed and "largest_batch 8:" in printed and printed.count("    idle ") == 2

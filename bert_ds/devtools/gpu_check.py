@@ -13,10 +13,14 @@ On a CUDA device (a plain PyTorch + Triton install; no DeepSpeed, apex or data n
   analytic model FLOPs (:mod:`bert_ds.runtime.metrics`) and the device's dense bf16 peak;
 - ``aot.sass``: the ahead-of-time sm_80/sm_90 builds' machine code checks (:mod:`bert_ds.kernels.aot`), and
   ``aot.matches_jit``: every kernel the JIT compiled during the BERT-large steps is a build the AOT report checks.
+- ``mfu.large.s<seq>``: auto's MFU against the GPU family's floor; ``profile.large.s<seq>``: where a step's time goes
+  (:mod:`.gpu_profile`); ``golden_resume.base.s128``: 20 steps, saved at 10 and resumed, bit for bit
+  (:mod:`.golden_resume`, in a child process in deterministic mode). Rules: :mod:`.gpu_rules`.
 
 Without a GPU the same command runs what it can and exits 0 when that passes: the kernels against their twins under
 the Triton CPU interpreter at small shapes, a tiny-model training step through the same step code with the Triton
-kernels (interpreted) and the torch twins (their losses must agree and fall), and the AOT machine-code checks; every
+kernels (interpreted) and the torch twins (their losses must agree and fall), the golden resume and the profile on the
+tiny model, and the AOT machine-code checks; every
 GPU item is listed as skipped with its reason. Items needing triton's interpreter or compiler run in a child process
 with ``TRITON_INTERPRET`` set for them (triton fixes the mode at import). Results go to a JSON report.
 """
