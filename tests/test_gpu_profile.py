@@ -189,4 +189,5 @@ def test_profile_training_profiles_the_recipe_batch_and_the_largest_that_fits(ca
 
     _print_item(Item("profile.large.s128", PASSED, 1.0, details))
     printed = capsys.readouterr().out
-    assert "recipe_batch 2:" in printed and "largest_batch 8:" in printed and printed.count("idle in forward + backward") == 2
+    assert "recipe_batch 2:" in printed and "largest_batch 8:" in printed
+    assert printed.count("idle in forward + backward") == 2

@@ -510,6 +510,8 @@ def _train_on_gpu(config: BertConfig, seq: int, batch: int, device: torch.device
         ok = ok and good
     for key in ("auto", "torch"):
         good, verdicts[f"losses {key}"] = loss_rule(runs[key]["losses"], runs[key]["warmup"])
+        if not good:
+            verdicts[f"losses {key}"]["reason"] = f"{key}: {verdicts[f'losses {key}']['reason']}"
         ok = ok and good
     finite = all(math.isfinite(x) for x in runs["transformers"]["losses"])
     verdicts["losses transformers"] = {"finite": finite} | ({} if finite else {"reason": "transformers: non-finite "

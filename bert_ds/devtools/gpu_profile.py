@@ -14,6 +14,7 @@ out of memory, a cap, or a step slower than a time bound).
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 from collections import Counter, defaultdict
@@ -301,6 +302,9 @@ def profile_training(bench, seq: int, batch: int, cap: int, max_step_s: float = 
 
     profiles = {"recipe_batch": profile_at(batch)}
     largest, tries = largest_batch(fits, batch, cap, max_step_s)
+    if device.type == "cuda":  # the failed try's tensors died with its exception: hand their blocks back
+        gc.collect()
+        torch.cuda.empty_cache()
     while largest > batch:
         try:
             profiles["largest_batch"] = profile_at(largest)
