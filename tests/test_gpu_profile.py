@@ -150,6 +150,15 @@ def test_largest_batch_doubles_until_out_of_memory_cap_or_time():
     with pytest.raises(RuntimeError, match="does not fit"):
         largest_batch(fits_below(10), 64, cap=4096, max_step_s=10)
 
+    def cublas_out_of_memory(batch):  # what a library allocation failing inside a GEMM raises
+        if batch > 100:
+            raise RuntimeError("CUDA error: out of memory (cublasCreate)")
+        return 0.1
+
+    assert largest_batch(cublas_out_of_memory, 64, cap=4096, max_step_s=10)[0] == 64
+    with pytest.raises(RuntimeError, match="planted bug"):  # any other error is not a batch that does not fit
+        largest_batch(lambda b: (_ for _ in ()).throw(RuntimeError("planted bug")), 64, cap=4096, max_step_s=10)
+
 
 def test_a_real_cpu_profile_of_the_tiny_step_accounts_for_its_time():
     from bert_ds.devtools.gpu_check import _tiny_profile

@@ -253,7 +253,9 @@ def largest_batch(fits: Callable[[int], float], start: int, cap: int, max_step_s
     while batch <= cap:
         try:
             seconds = fits(batch)
-        except torch.OutOfMemoryError:
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or a library's "CUDA error: out of memory"
+            if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
+                raise
             tries.append((batch, "out of memory"))
             break
         tries.append((batch, round(seconds, 3)))
