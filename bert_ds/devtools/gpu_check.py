@@ -51,6 +51,7 @@ import bert_ds.kernels as kernels
 from bert_ds.cli_args import build_parser, option, parse
 from bert_ds.config import BertConfig, model_preset
 from bert_ds.devtools.bench_step import BenchStep, predictions_for, synthetic_batch
+from bert_ds.devtools.golden_resume import CUBLAS_WORKSPACE
 from bert_ds.devtools.gpu_profile import format_profile, profile_steps, profile_training
 from bert_ds.devtools.gpu_rules import (
     RULES,
@@ -753,7 +754,7 @@ _CHILD_SECTIONS: dict[str, Callable[[], list[Item]]] = {
     "aot": lambda: [_run("aot.sass", _aot_sass_check)],
     "golden_resume": lambda: [_golden_resume_item()],
 }
-_DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # golden_resume.CUBLAS_WORKSPACE
+_DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE}
 
 
 def gpu_checks() -> dict[str, str]:
