@@ -13,10 +13,14 @@ On a CUDA device (a plain PyTorch + Triton install; no DeepSpeed, apex or data n
   analytic model FLOPs (:mod:`bert_ds.runtime.metrics`) and the device's dense bf16 peak;
 - ``aot.sass``: the ahead-of-time sm_80/sm_90 builds' machine code checks (:mod:`bert_ds.kernels.aot`), and
   ``aot.matches_jit``: every kernel the JIT compiled during the BERT-large steps is a build the AOT report checks.
+- ``mfu.large.s<seq>``: auto's MFU against the GPU family's floor; ``profile.large.s<seq>``: where a step's time goes
+  (:mod:`.gpu_profile`); ``golden_resume.base.s128``: 20 steps, saved at 10 and resumed, bit for bit
+  (:mod:`.golden_resume`, in a child process in deterministic mode). Rules: :mod:`.gpu_rules`.
 
 Without a GPU the same command runs what it can and exits 0 when that passes: the kernels against their twins under
 the Triton CPU interpreter at small shapes, a tiny-model training step through the same step code with the Triton
-kernels (interpreted) and the torch twins (their losses must agree and fall), and the AOT machine-code checks; every
+kernels (interpreted) and the torch twins (their losses must agree and fall), the golden resume and the profile on the
+tiny model, and the AOT machine-code checks; every
 GPU item is listed as skipped with its reason. Items needing triton's interpreter or compiler run in a child process
 with ``TRITON_INTERPRET`` set for them (triton fixes the mode at import). Results go to a JSON report.
 """
@@ -27,6 +31,7 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -45,13 +50,20 @@ import torch
 import bert_ds.kernels as kernels
 from bert_ds.cli_args import build_parser, option, parse
 from bert_ds.config import BertConfig, model_preset
+from bert_ds.devtools.bench_step import BenchStep, predictions_for, synthetic_batch
+from bert_ds.devtools.golden_resume import CUBLAS_WORKSPACE
+from bert_ds.devtools.gpu_profile import format_profile, profile_steps, profile_training
 from bert_ds.devtools.gpu_rules import (
     RULES,
     SPEED_FLOOR,
     TRAIN_FLOORS,
     golden_rule,
+    gpu_family,
     keep_rate_rule,
+    loss_rule,
     mask_rule,
+    mfu_rule,
+    profile_rule,
     reference_keep_mask,
     speed_rule,
     twin_rule,
@@ -66,7 +78,6 @@ PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 # Per-GPU micro-batches of the two pre-training phases (NVIDIA's BERT-large recipe on 80 GB A100s); halved on OOM.
 DEFAULT_BATCH = {128: 64, 512: 16}
-PREDICTIONS = {128: 20, 512: 80}  # max_predictions_per_seq (Google/NVIDIA)
 
 
 @dataclass
@@ -385,41 +396,9 @@ def _auto_is_faster(op: str, details: dict) -> tuple[bool, dict]:
 # ---------------------------------------------------------------------------------------------- training step
 
 
-def synthetic_batch(config: BertConfig, batch: int, seq: int, predictions: int, device: torch.device,
-                    seed: int = 0) -> dict[str, torch.Tensor]:
-    """A pre-training batch of full-length sequences: random tokens, ``predictions`` masked positions each, NSP
-    labels. Every position is a real token, so the analytic FLOP count is exactly the work done."""
-    gen = torch.Generator().manual_seed(seed)
-    low = min(1000, config.vocab_size // 2)  # above the special tokens of a BERT vocabulary
-    positions = torch.stack([torch.randperm(seq - 2, generator=gen)[:predictions] + 1 for _ in range(batch)])
-    batch_tensors = dict(
-        input_ids=torch.randint(low, config.vocab_size, (batch, seq), generator=gen),
-        token_type_ids=(torch.arange(seq) >= seq // 2).long().repeat(batch, 1),
-        attention_mask=torch.ones(batch, seq, dtype=torch.long),
-        masked_lm_positions=positions.sort(dim=1).values,
-        masked_lm_ids=torch.randint(low, config.vocab_size, (batch, predictions), generator=gen),
-        next_sentence_label=torch.randint(0, 2, (batch,), generator=gen),
-    )
-    return {k: v.to(device) for k, v in batch_tensors.items()}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def _master_step(named: list, masters: list, optimizer) -> None:
-    """The optimizer step on fp32 master weights: gradients into the masters (bf16 models), step, weights back."""
-    for (_, p), m in zip(named, masters, strict=True):
-        if m is not p:
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for (_, p), m in zip(named, masters, strict=True):
-        if m is not p:
-            p.copy_(m)
 
 
 def measure_training(config: BertConfig, seq: int, batch: int, device: torch.device, dtype: torch.dtype,
@@ -432,43 +411,31 @@ def measure_training(config: BertConfig, seq: int, batch: int, device: torch.dev
     except biases and LayerNorm) and the weights back, as the engine's DeepSpeed bf16 mode does on one rank.
     Sequences/s is reported for forward+backward alone (a micro-batch under gradient accumulation, how BERT is
     pre-trained: the optimizer runs once per 100+ micro-batches) and for whole steps."""
-    from bert_ds.model import BertForPreTraining
-    from bert_ds.optim.factory import no_decay
-    from bert_ds.optim.lamb import ZeroAwareLamb
-
-    torch.manual_seed(0)
-    model = BertForPreTraining(config, kernels=kernel_backend).to(device=device, dtype=dtype).train()
-    named = list(model.named_parameters())
-    masters = [p for _, p in named] if dtype == torch.float32 else [p.detach().float().clone() for _, p in named]
-    groups = [{"params": [m for (n, p), m in zip(named, masters, strict=True) if not no_decay(n, p)],
-               "weight_decay": 0.01},
-              {"params": [m for (n, p), m in zip(named, masters, strict=True) if no_decay(n, p)], "weight_decay": 0.0}]
-    optimizer = ZeroAwareLamb([g for g in groups if g["params"]], lr=lr, eps=1e-6)
-    data = synthetic_batch(config, batch, seq, PREDICTIONS.get(seq, max(1, seq // 7)), device)
+    bench = BenchStep(config, device, dtype, kernel_backend, lr=lr)
+    data = synthetic_batch(config, batch, seq, predictions_for(seq), device)
 
     losses, fwd_bwd, opt = [], [], []
     for step in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
-        loss = model(**data).loss
-        loss.backward()
+        loss = bench.forward_backward(data)
         _sync(device)
         t1 = time.perf_counter()
-        _master_step(named, masters, optimizer)
+        bench.optimizer_step()
         _sync(device)
         t2 = time.perf_counter()
-        losses.append(loss.detach())
+        losses.append(loss)
         if step >= warmup:
             fwd_bwd.append(t1 - t0)
             opt.append(t2 - t1)
     losses = [float(x) for x in losses]
     t_fb, t_opt = statistics.median(fwd_bwd), statistics.median(opt)
-    flops = training_flops_per_sequence(config, seq, PREDICTIONS.get(seq, max(1, seq // 7)))
+    flops = training_flops_per_sequence(config, seq, predictions_for(seq))
     seq_per_s = batch / t_fb
     tflops = flops * seq_per_s / 1e12
     result = {
         "kernels": kernel_backend, "dtype": _dtype_name(dtype), "batch": batch, "seq": seq, "steps": steps,
-        "fwd_bwd_ms": round(1e3 * t_fb, 3), "optimizer_ms": round(1e3 * t_opt, 3),
+        "warmup": warmup, "fwd_bwd_ms": round(1e3 * t_fb, 3), "optimizer_ms": round(1e3 * t_opt, 3),
         "seq_per_s": round(seq_per_s, 2), "seq_per_s_with_optimizer_each_step": round(batch / (t_fb + t_opt), 2),
         "model_tflop_per_seq": round(flops / 1e12, 6), "tflops": round(tflops, 2),
         "mfu": round(tflops / peak_tflops, 4) if peak_tflops else "unknown peak",
@@ -476,14 +443,15 @@ def measure_training(config: BertConfig, seq: int, batch: int, device: torch.dev
     }
     if device.type == "cuda":
         result["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    del model, optimizer, masters
+    del bench
     return result
 
 
 def _transformers_training(config: BertConfig, seq: int, batch: int, device: torch.device, steps: int,
-                           warmup: int = 3) -> dict:
+                           warmup: int = 3, peak_tflops: float | None = None) -> dict:
     """transformers' BertForPreTraining (SDPA attention) in bf16 on the same synthetic batch: forward + backward
-    sequences/s, the baseline of train.large.*. MLM labels at the same masked positions."""
+    sequences/s, TFLOP/s and MFU by the same FLOP count, the baseline of train.large.*. MLM labels at the same
+    masked positions. No optimizer runs (a micro batch's work), so its losses are only checked to be finite."""
     from transformers import BertConfig as HFConfig
     from transformers import BertForPreTraining as HFBert
 
@@ -493,9 +461,9 @@ def _transformers_training(config: BertConfig, seq: int, batch: int, device: tor
                                                      "max_position_embeddings", "layer_norm_eps")},
                   attn_implementation="sdpa")
     model = HFBert(hf).to(device=device, dtype=torch.bfloat16).train()
-    data = synthetic_batch(config, batch, seq, PREDICTIONS.get(seq, max(1, seq // 7)), device)
+    data = synthetic_batch(config, batch, seq, predictions_for(seq), device)
     labels = torch.full_like(data["input_ids"], -100).scatter_(1, data["masked_lm_positions"], data["masked_lm_ids"])
-    times = []
+    times, losses = [], []
     for step in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
@@ -505,11 +473,15 @@ def _transformers_training(config: BertConfig, seq: int, batch: int, device: tor
         out.loss.backward()
         model.zero_grad(set_to_none=True)
         _sync(device)
+        losses.append(out.loss.detach())
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     del model
-    return {"kernels": "transformers (sdpa)", "batch": batch, "seq": seq,
-            "seq_per_s": round(batch / statistics.median(times), 2)}
+    seq_per_s = batch / statistics.median(times)
+    tflops = training_flops_per_sequence(config, seq, predictions_for(seq)) * seq_per_s / 1e12
+    return {"kernels": "transformers (sdpa)", "batch": batch, "seq": seq, "seq_per_s": round(seq_per_s, 2),
+            "tflops": round(tflops, 2), "mfu": round(tflops / peak_tflops, 4) if peak_tflops else "unknown peak",
+            "losses": [round(float(x), 5) for x in losses]}
 
 
 def _train_on_gpu(config: BertConfig, seq: int, batch: int, device: torch.device, steps: int,
@@ -523,7 +495,7 @@ def _train_on_gpu(config: BertConfig, seq: int, batch: int, device: torch.device
             for backend in ("auto", "torch"):
                 runs[backend] = measure_training(config, seq, batch, device, torch.bfloat16, backend, steps=steps,
                                                  peak_tflops=peak)
-            runs["transformers"] = _transformers_training(config, seq, batch, device, steps)
+            runs["transformers"] = _transformers_training(config, seq, batch, device, steps, peak_tflops=peak)
             break
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
@@ -537,6 +509,15 @@ def _train_on_gpu(config: BertConfig, seq: int, batch: int, device: torch.device
         good, verdicts[name] = speed_rule(runs["auto"]["seq_per_s"] / runs[key]["seq_per_s"], TRAIN_FLOORS[name],
                                           f"auto vs {name}")
         ok = ok and good
+    for key in ("auto", "torch"):
+        good, verdicts[f"losses {key}"] = loss_rule(runs[key]["losses"], runs[key]["warmup"])
+        if not good:
+            verdicts[f"losses {key}"]["reason"] = f"{key}: {verdicts[f'losses {key}']['reason']}"
+        ok = ok and good
+    finite = all(math.isfinite(x) for x in runs["transformers"]["losses"])
+    verdicts["losses transformers"] = {"finite": finite} | ({} if finite else {"reason": "transformers: non-finite "
+                                                                                          "loss"})
+    ok = ok and finite
     details = {"rule": RULES["train.large.s<seq>"], "mfu_formula": "MFU = 3 x forward FLOPs per sequence "
                "(bert_ds.runtime.metrics.training_flops_per_sequence) x sequences/s (forward + backward) / peak",
                "peak_bf16_tflops": peak if peak else "unknown peak", "floors": verdicts, **runs}
@@ -561,10 +542,10 @@ def _tiny_training_check(triton_backend: str = "triton") -> tuple[bool, dict]:
         torch.set_num_threads(threads)
     tri, ref = runs[triton_backend]["losses"], runs["torch"]["losses"]
     agree, golden = golden_rule(tri, ref, ref)
-    falls = tri[-1] < tri[0]
-    details = {"rule": RULES["golden.base.s128"], "golden": golden, "loss_falls": falls, **runs}
+    falls, losses = loss_rule(tri, 0)
+    details = {"rule": RULES["golden.base.s128"], "golden": golden, "loss_falls": falls, "loss_rule": losses, **runs}
     if not (agree and falls):
-        details["reason"] = golden.get("reason", "loss did not fall")
+        details["reason"] = golden.get("reason") or losses["reason"]
     return agree and falls, details
 
 
@@ -576,7 +557,14 @@ def _golden_on_gpu(device: torch.device, steps: int = 8) -> tuple[bool, dict]:
             for name, backend, dtype in (("triton", "triton", torch.bfloat16), ("twins", "torch", torch.bfloat16),
                                          ("fp32 reference", "torch", torch.float32))}
     ok, golden = golden_rule(runs["triton"]["losses"], runs["twins"]["losses"], runs["fp32 reference"]["losses"])
-    return ok, {"rule": RULES["golden.base.s128"], **golden, **{k: v["losses"] for k, v in runs.items()}}
+    # Dropout off, one batch: the loss falls; the first LAMB steps may overshoot (H100: step 2 above step 1).
+    falls = {name: loss_rule(run["losses"], 3) for name, run in runs.items()}
+    reasons = [golden.get("reason")] + [f"{name}: {v['reason']}" for name, (_, v) in falls.items() if "reason" in v]
+    details = {"rule": RULES["golden.base.s128"], **golden, **{k: v["losses"] for k, v in runs.items()},
+               "loss_falls": {name: v for name, (_, v) in falls.items()}}
+    if any(reasons):
+        details["reason"] = "; ".join(r for r in reasons if r)
+    return ok and all(good for good, _ in falls.values()), details
 
 
 # ---------------------------------------------------------------------------------------------- AOT and the JIT
@@ -689,10 +677,11 @@ def _environment() -> dict:
     return env
 
 
-def _child(section: str, interpret: bool, timeout: float = 900) -> list[Item]:
-    """Run ``section`` in a fresh interpreter with TRITON_INTERPRET set as it needs, and read its items back."""
+def _child(section: str, interpret: bool, timeout: float = 900, env: dict | None = None) -> list[Item]:
+    """Run ``section`` in a fresh interpreter with TRITON_INTERPRET set as it needs (and ``env``), and read its
+    items back."""
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0",
+    env = {**os.environ, **(env or {}), "TRITON_INTERPRET": "1" if interpret else "0",
            "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "items.json"
@@ -706,12 +695,66 @@ def _child(section: str, interpret: bool, timeout: float = 900) -> list[Item]:
         return [Item(**d) for d in json.loads(out.read_text())]
 
 
+def _golden_resume_item() -> Item:
+    """golden_resume.base.s128 on a GPU (BERT-base, bf16, ``auto``, batch 32), golden_resume.tiny on the CPU (same
+    code, the tiny preset at seq 32, batch 4); run in a child started with CUBLAS_WORKSPACE_CONFIG set."""
+    from bert_ds.devtools.golden_resume import golden_resume
+
+    if torch.cuda.is_available():
+        config, name, shape = model_preset("base", vocab_size=30522), "golden_resume.base.s128", (128, 32)
+    else:
+        config, name, shape = model_preset("tiny", vocab_size=4000), "golden_resume.tiny", (32, 4)
+        torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return _run(name, lambda: _with_rule(RULES["golden_resume.<model>"], *golden_resume(
+        config, *shape, device, torch.bfloat16)))
+
+
+def _with_rule(rule: str, ok: bool, details: dict) -> tuple[bool, dict]:
+    return ok, {"rule": rule, **details}
+
+
+def _tiny_profile() -> tuple[bool, dict]:
+    """profile.tiny: the profile's code on the CPU (the tiny preset, torch twins, fp32): the device's work is the
+    aten ops that would launch kernels, idle the Python and dispatch time between them."""
+    config = model_preset("tiny", vocab_size=4000)
+    bench = BenchStep(config, torch.device("cpu"), torch.float32, "torch")
+    data = synthetic_batch(config, 8, 64, predictions_for(64), bench.device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = profile_steps(lambda: bench.forward_backward(data), bench.optimizer_step, bench.device)
+    finally:
+        torch.set_num_threads(threads)
+    ok, verdict = profile_rule(summary)
+    return ok, {"rule": RULES["profile.large.s<seq>"], "rule_check": verdict, "batch": 8, "seq": 64, **summary,
+                **({"reason": verdict["reason"]} if not ok else {})}
+
+
+def _profile_on_gpu(bench: Callable[[], BenchStep], seq: int, batch: int) -> tuple[bool, dict]:
+    """profile.large.s<seq>: BERT-large in bf16 with ``auto`` at the recipe's micro batch and the largest that fits
+    (doubling up to 16x the recipe's, while a forward + backward takes under 2 s)."""
+    ok, details = profile_training(bench(), seq, batch, cap=16 * batch)
+    return ok, {"rule": RULES["profile.large.s<seq>"], **details}
+
+
+def _mfu_check(train: Item, family: str | None, seq: int) -> tuple[bool, dict]:
+    """mfu.large.s<seq>: auto's MFU from the train item of the same run against the family's floor."""
+    auto = train.details.get("auto")
+    if not isinstance(auto, dict):
+        return False, {"rule": RULES["mfu.large.s<seq>"], "reason": f"{train.name} measured nothing: {train.reason}"}
+    ok, verdict = mfu_rule(auto["mfu"], family, seq)
+    return ok, {"rule": RULES["mfu.large.s<seq>"], "batch": auto["batch"], **verdict}
+
+
 _CHILD_SECTIONS: dict[str, Callable[[], list[Item]]] = {
     "interpreter_kernels": lambda: check_kernels(torch.device("cpu"), small=True, prefix="interpreter.kernels")
     + check_dropout_masks(torch.device("cpu"), small=True, prefix="interpreter.dropout"),
     "interpreter_training": lambda: [_run("interpreter.train.tiny", _tiny_training_check)],
     "aot": lambda: [_run("aot.sass", _aot_sass_check)],
+    "golden_resume": lambda: [_golden_resume_item()],
 }
+_DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE}
 
 
 def gpu_checks() -> dict[str, str]:
@@ -723,6 +766,9 @@ def gpu_checks() -> dict[str, str]:
     checks["golden.base.s128"] = RULES["golden.base.s128"]
     checks |= {f"speed.{op}": RULES["speed.<op>"] for op in _KERNEL_SHAPES}
     checks |= {f"train.large.s{seq}": RULES["train.large.s<seq>"] for seq in DEFAULT_BATCH}
+    checks |= {f"mfu.large.s{seq}": RULES["mfu.large.s<seq>"] for seq in DEFAULT_BATCH}
+    checks |= {f"profile.large.s{seq}": RULES["profile.large.s<seq>"] for seq in DEFAULT_BATCH}
+    checks["golden_resume.base.s128"] = RULES["golden_resume.<model>"]
     return checks | {"aot.matches_jit": RULES["aot.matches_jit"]}
 
 
@@ -742,6 +788,8 @@ def run_gpu_check(steps: int = 10, batch: dict[int, int] | None = None,
         add(_child("interpreter_kernels", interpret=True))
         add(_child("interpreter_training", interpret=True))
         add(_child("aot", interpret=False))
+        add(_child("golden_resume", interpret=False, env=_DETERMINISTIC_ENV))
+        add([_run("profile.tiny", _tiny_profile)])
         add([Item(name, SKIPPED, details={"rule": rule}, reason=NO_GPU) for name, rule in gpu_checks().items()])
         return env, items
 
@@ -757,12 +805,21 @@ def run_gpu_check(steps: int = 10, batch: dict[int, int] | None = None,
     peak = peak if isinstance(peak, float) else None
     # Training first: the JIT then compiles exactly the BERT-large launches, which aot.matches_jit compares (a kernel
     # already compiled by an earlier check would come from the in-memory cache, unseen by the hook).
+    family = gpu_family(env["device"])
     with record_jit_compiles() as compiled:
         add([_run("golden.base.s128", lambda: _golden_on_gpu(device))])
         for seq in DEFAULT_BATCH:
-            add([_run(f"train.large.s{seq}", lambda seq=seq: _train_on_gpu(config, seq, batch[seq], device, steps,
-                                                                          peak))])
+            train = _run(f"train.large.s{seq}", lambda seq=seq: _train_on_gpu(config, seq, batch[seq], device, steps,
+                                                                              peak))
+            add([train, _run(f"mfu.large.s{seq}", lambda seq=seq, train=train: _mfu_check(train, family, seq))])
     add([_run("aot.matches_jit", lambda: jit_matches_aot(compiled, driver.active.get_current_target()))])
+    bench = functools.cache(lambda: BenchStep(config, device, torch.bfloat16, "auto"))  # one model for both shapes
+    for seq in DEFAULT_BATCH:
+        add([_run(f"profile.large.s{seq}", lambda seq=seq: _profile_on_gpu(bench, seq, batch[seq]))])
+    bench.cache_clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    add(_child("golden_resume", interpret=False, env=_DETERMINISTIC_ENV))
     add(check_dropout_masks(device))
     add(check_kernels(device))
     add(measure_kernel_speed(device))
@@ -776,10 +833,17 @@ def _print_item(item: Item) -> None:
         line += f"  {item.reason}"
     elif item.name.startswith("train.") and item.status == PASSED:
         line += "  " + ", ".join(f"{k}: {v['seq_per_s']} seq/s, {v['tflops']} TFLOP/s, MFU {v['mfu']}"
-                                 for k, v in item.details.items() if isinstance(v, dict))
+                                 for k, v in item.details.items() if isinstance(v, dict) and "seq_per_s" in v)
+    elif item.name.startswith("mfu.") and item.status == PASSED:
+        line += f"  MFU {item.details['mfu']} (floor {item.details['floor']}, {item.details['floor_is']})"
     elif item.name.startswith("speed.") and item.status == PASSED:
         line += "  speedup fwd+bwd " + ", ".join(f"{k}: {v['speedup_fwd_bwd']}x" for k, v in item.details.items())
     print(line, flush=True)
+    for key in ("recipe_batch", "largest_batch"):
+        if isinstance(item.details.get(key), dict) and "ms" in item.details[key]:
+            print(format_profile(f"    {key} {item.details[key]['batch']}", item.details[key]), flush=True)
+    if item.name == "profile.tiny" and "ms" in item.details:
+        print(format_profile("    tiny, batch 8 x 64", item.details), flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
