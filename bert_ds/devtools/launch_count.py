@@ -6,9 +6,8 @@ allocation); :func:`bert_ds.kernels.jit.record_launches` records each Triton lau
 the backend registry decide as on CUDA tensors, so the aten ops counted are those around the kernels a GPU runs.
 The count is the model's own forward and backward (no DeepSpeed gradient hooks, gradients start unset).
 
-The count is constant + per_layer * layers + per_sequence * batch: every encoder layer issues the same ops, and the
-last layer attends from its few query rows with one SDPA call per sequence (``bert_ds.model.layers``), so a batch of B
-adds B times that. :func:`micro_batch_launches` counts six small points, checks each against the formula and
+The count is constant + per_layer * layers + per_sequence * batch: every encoder layer issues the same ops, and any op
+run once per sequence (the last layer's attention did, until it became one masked SDPA call) adds B times its count. :func:`micro_batch_launches` counts six small points, checks each against the formula and
 extrapolates exactly to 24 layers and the recipe's micro batch. The points run on ``meta`` tensors (seconds; a test
 checks that a count on real CPU tensors is the same).
 """

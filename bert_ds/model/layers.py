@@ -91,15 +91,18 @@ class BertSelfAttention(nn.Module):
             out = kernels.varlen_attention(q, k, v, unpadding.cu_seqlens, unpadding.max_seqlen, dropout_p,
                                            backend=self.backend, seqlens=unpadding.seqlens)
             return out.reshape(T, H)
-        # A few query rows per sequence (the last layer): each sequence's queries against its own keys (SDPA).
+        # A few query rows per sequence (the last layer) against their own sequence's keys: the packed keys and values
+        # are put back in the padded layout and one masked SDPA serves the batch (a loop over sequences cost ~27
+        # launches per sequence, more than the 24 layers at micro batch 64: bert_ds.devtools.launch_count).
         B, Q, _ = queries.shape
+        S = unpadding.seq_len
         q = self.query(queries).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, Q, hd)
-        outs = [F.scaled_dot_product_attention(q[b:b + 1], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
-                                               dropout_p=dropout_p)
-                if n else torch.zeros_like(q[b:b + 1])  # no real token: nothing to attend to, as the padded path
-                for b, (n, kb, vb) in enumerate(zip(unpadding.seqlens, k.split(unpadding.seqlens),
-                                                    v.split(unpadding.seqlens), strict=True))]
-        return torch.cat(outs).transpose(1, 2).reshape(B, Q, H)
+        k, v = (x.new_zeros(B * S, self.num_heads, self.head_dim).index_copy(0, unpadding.indices, t)
+                .view(B, S, self.num_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, nh, S, hd)
+        # A row without a real token attends to its all-zero padding: zeros out, as the padded path, not SDPA's NaN.
+        mask = key_padding_mask | ~key_padding_mask.any(1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], dropout_p=dropout_p)
+        return out.transpose(1, 2).reshape(B, Q, H)
 
 
 class BertSelfOutput(nn.Module):
