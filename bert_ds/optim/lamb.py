@@ -198,7 +198,7 @@ class ZeroAwareLamb(Optimizer):
         self._registered: set[int] = set()
         self._layout: ZeroLayout | None = None
         self._pending: dict[int, tuple[torch.Tensor, dict]] = {}
-        self._partials: torch.Tensor | None = None
+        self._run_index: torch.Tensor | None = None
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -251,7 +251,7 @@ class ZeroAwareLamb(Optimizer):
                 raise RuntimeError(f"ZeroAwareLamb.bind_zero: param group {i} does not hold ZeRO's flat partition")
         self._layout = layout
         self._pending = {}
-        self._partials = None
+        self._run_index = torch.cat([lay.run_index for lay in layout.groups])
         return layout
 
     # ------------------------------------------------------------------ math
@@ -362,9 +362,6 @@ class ZeroAwareLamb(Optimizer):
 
     def _zero_step(self) -> None:
         layout = self._layout
-        if self._partials is None:
-            self._partials = torch.zeros(2, layout.n_tensors + 1, dtype=torch.float64,
-                                         device=layout.groups[0].flat.device)
         flat_index = {id(lay.flat): k for k, lay in enumerate(layout.groups)}
         for group in self.param_groups:
             k = flat_index.get(id(group["params"][0])) if len(group["params"]) == 1 else None
@@ -372,29 +369,30 @@ class ZeroAwareLamb(Optimizer):
                 raise RuntimeError("ZeroAwareLamb: a param group no longer holds the flat partition bound by bind_zero")
             if k in self._pending:
                 raise RuntimeError(f"ZeroAwareLamb: ZeRO group {k} stepped twice before the step completed")
-            lay = layout.groups[k]
-            p = lay.flat
+            p = layout.groups[k].flat
             if p.grad is None:
                 raise RuntimeError(f"ZeroAwareLamb: ZeRO group {k} has no gradient partition")
             state = self.state[p]
             self._begin_step([p], [state], group)
-            u = self._moments_and_updates([p], [p.grad], [state], group)[0]
-            # Sums of squares of w and u per contiguous run, in one op; padding runs land in the spare last slot.
-            runs = list(torch.split(p, lay.lengths)) + list(torch.split(u, lay.lengths))
-            squares = torch.stack(torch._foreach_norm(runs, dtype=torch.float64)).square_()
-            self._partials.index_add_(1, lay.run_index, squares.view(2, -1))
             # ZeRO narrows param_groups to the group it steps, so keep the group dict for the deferred update.
-            self._pending[k] = (u, group)
+            self._pending[k] = (self._moments_and_updates([p], [p.grad], [state], group)[0], group)
         if len(self._pending) < len(layout.groups):
             return  # ZeRO steps the remaining groups next; their updates and ours are applied together
         try:
+            pending = [(layout.groups[k], *self._pending[k]) for k in range(len(layout.groups))]
+            # Sums of squares of w and u per contiguous run of every group, in one op; padding runs land in the spare
+            # last slot (never read).
+            runs = [v for lay, _, _ in pending for v in torch.split(lay.flat, lay.lengths)]
+            runs += [v for lay, u, _ in pending for v in torch.split(u, lay.lengths)]
+            squares = torch.stack(torch._foreach_norm(runs, dtype=torch.float64)).square_()
+            partials = torch.zeros(2, layout.n_tensors + 1, dtype=torch.float64, device=squares.device)
+            partials.index_add_(1, self._run_index, squares.view(2, -1))
             if layout.world_size > 1:
                 import deepspeed.comm as dist
 
-                dist.all_reduce(self._partials, group=layout.process_group)
-            norms = np.sqrt(_to_host(self._partials))
-            for k, (u, group) in self._pending.items():
-                lay = layout.groups[k]
+                dist.all_reduce(partials, group=layout.process_group)
+            norms = np.sqrt(_to_host(partials))
+            for lay, u, group in pending:
                 ratios = self._trust_ratios(norms[0], norms[1], group)
                 run_tensor = np.array(lay.run_tensor)  # padding (-1) reads the spare slot and gets ratio 0
                 run_ratios = np.where(run_tensor >= 0, ratios[run_tensor], 0.0)
@@ -406,4 +404,3 @@ class ZeroAwareLamb(Optimizer):
                     lay.bit16_partition.data.copy_(lay.flat.data)
         finally:
             self._pending = {}
-            self._partials.zero_()
