@@ -16,7 +16,9 @@ import torch
 from bert_ds.config import model_preset
 from bert_ds.deepspeed_internals import ZeroGroupPartition, ZeroPartitionMap
 from bert_ds.model import BertForPreTraining
-from bert_ds.optim import param_groups
+from bert_ds.optim import ZeroAwareLamb, param_groups
+from bert_ds.optim.lamb import layout_from_map
+from tests.helpers import lamb_per_tensor
 
 WEIGHT_DECAY = 0.01
 
@@ -74,3 +76,24 @@ def zero_step(optimizer: torch.optim.Optimizer) -> None:
             optimizer.step()
     finally:
         optimizer.param_groups = groups
+
+
+def one_rank_zero_optimizer(cls, scale: int, **kw) -> tuple[torch.optim.Optimizer, ZeroPartitionMap]:
+    """``cls`` (ZeroAwareLamb, or the frozen PerTensorLamb) over the one-rank ZeRO partitions of BERT-large's tensors
+    (dims / ``scale``), bound to their layout; step it with :func:`zero_step`."""
+    groups = stage0_groups(scale)
+    zmap = one_rank_zero_map(groups)
+    flat = [{"params": [zg.flat], "weight_decay": g["weight_decay"]} for zg, g in zip(zmap.groups, groups, strict=True)]
+    opt = cls(flat, lr=1e-3, **kw)
+    layout = layout_from_map(zmap)
+    if isinstance(opt, ZeroAwareLamb):
+        opt.bind_layout(layout)
+    else:  # the frozen copy's layout: the same runs, plus the padding mask it used
+        opt._layout = lamb_per_tensor.ZeroLayout(
+            groups=[lamb_per_tensor._GroupLayout(flat=g.flat, lengths=g.lengths, run_tensor=g.run_tensor,
+                                                 run_index=g.run_index,
+                                                 run_is_tensor=torch.tensor([t >= 0 for t in g.run_tensor]),
+                                                 bit16_partition=g.bit16_partition) for g in layout.groups],
+            n_tensors=layout.n_tensors, names=layout.names, split_tensors=layout.split_tensors,
+            process_group=None, world_size=1)
+    return opt, zmap
