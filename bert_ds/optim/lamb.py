@@ -20,8 +20,8 @@ optimizer knows which segment of its flat partition belongs to which original te
 
 ZeRO calls ``step()`` once per param group (``_optimizer_step(i)`` narrows ``param_groups`` to group ``i``) and copies
 each group's fp32 partition to its bit16 partition right after; the all-gather of the bit16 partitions only happens
-after the last group. To need a single all-reduce per step the bound optimizer therefore updates the moments and the
-partial norms in every group call, and applies the weight updates of all groups in the last call, re-copying the
+after the last group. To need a single all-reduce per step the bound optimizer therefore updates the moments in every
+group call, and computes the norms and applies the weight updates of all groups in the last call, re-copying the
 earlier groups' fp32 partitions to their bit16 partitions before ZeRO all-gathers them.
 
 Every step is a fixed number of multi-tensor ops, however many tensors: ``torch._foreach_*`` over each param group's
@@ -363,6 +363,7 @@ class ZeroAwareLamb(Optimizer):
     def _zero_step(self) -> None:
         layout = self._layout
         flat_index = {id(lay.flat): k for k, lay in enumerate(layout.groups)}
+        stepped_now = set()
         for group in self.param_groups:
             k = flat_index.get(id(group["params"][0])) if len(group["params"]) == 1 else None
             if k is None:
@@ -376,6 +377,7 @@ class ZeroAwareLamb(Optimizer):
             self._begin_step([p], [state], group)
             # ZeRO narrows param_groups to the group it steps, so keep the group dict for the deferred update.
             self._pending[k] = (self._moments_and_updates([p], [p.grad], [state], group)[0], group)
+            stepped_now.add(k)
         if len(self._pending) < len(layout.groups):
             return  # ZeRO steps the remaining groups next; their updates and ours are applied together
         try:
@@ -392,15 +394,15 @@ class ZeroAwareLamb(Optimizer):
 
                 dist.all_reduce(partials, group=layout.process_group)
             norms = np.sqrt(_to_host(partials))
-            for lay, u, group in pending:
+            for k, (lay, u, group) in enumerate(pending):
                 ratios = self._trust_ratios(norms[0], norms[1], group)
                 run_tensor = np.array(lay.run_tensor)  # padding (-1) reads the spare slot and gets ratio 0
                 run_ratios = np.where(run_tensor >= 0, ratios[run_tensor], 0.0)
                 torch._foreach_mul_(list(torch.split(u, lay.lengths)), run_ratios.tolist())
                 lay.flat.add_(u, alpha=-group["lr"])
-                if lay.bit16_partition is not None:
-                    # ZeRO already copied this group's fp32 partition before our deferred update; refresh it before
-                    # its all-gather (idempotent for the group ZeRO copies after this call).
+                if lay.bit16_partition is not None and k not in stepped_now:
+                    # ZeRO copied this group's fp32 partition to bit16 after an earlier call, before our deferred
+                    # update: refresh it before the all-gather. The groups of this call ZeRO copies after it returns.
                     lay.bit16_partition.data.copy_(lay.flat.data)
         finally:
             self._pending = {}
