@@ -5,8 +5,8 @@ plus the Triton launches ``record_launches`` records, for forward + backward of 
 (bf16, ``auto``, vocabulary padded to a multiple of 64). Measured 2026-11-28: 100 + 54 per layer + 27 per sequence
 (the last layer then called SDPA once per sequence), 3,124 at phase 1 (64 x 128) and 1,828 at phase 2 (16 x 512);
 with one masked SDPA for the batch, 142 + 54 per layer and nothing per sequence: 1,438 at both phases (transformers'
-BertForPreTraining, counted the same way: 53 + 77 per layer, 1,901). The budgets allow 2.5% growth; a change that adds launches must lower something else or raise the budget here,
-saying why.
+BertForPreTraining, counted the same way: 53 + 77 per layer, 1,901). The budgets allow 2.5% growth; a change that
+adds launches must lower something else or raise the budget here, saying why.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Measure what exact sharded LAMB costs: the per-tensor norm reduction per step, and ZeRO-2 state bytes per rank.
+"""Measure what exact sharded LAMB costs: launches and CPU time of one step, the per-tensor norm reduction, and ZeRO-2
+state bytes per rank.
 
     python tools/bench_lamb.py state-bytes                 # arithmetic from ZeRO's partition layout, 1/2/4 ranks
     python tools/bench_lamb.py overhead --preset tiny      # 2 CPU ranks (gloo), real DeepSpeed ZeRO-2
     python tools/bench_lamb.py overhead --preset base --steps 5
+    python tools/bench_lamb.py launches --preset large     # one process: launches and CPU ms of one step vs AdamW
 
 ``overhead`` times ``ZeroAwareLamb.step`` as called by ZeRO (summed over its per-group calls) against the same
 step with one trust ratio per rank slice (the naive flat LAMB: same elementwise work, no segment norms, no
@@ -23,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,8 +107,11 @@ class FlatSliceLamb(ZeroAwareLamb):
     def _zero_step(self) -> None:
         for group in self.param_groups:
             p = group["params"][0]
-            u = self._moments_and_update(p, p.grad, self.state[p], group)
-            p.add_(u.mul_(self._trust_ratio(p.norm(), u.norm(), group)), alpha=-group["lr"])
+            state = self.state[p]
+            self._begin_step([p], [state], group)
+            u = self._moments_and_updates([p], [p.grad], [state], group)[0]
+            ratio = self._trust_ratios(np.array([float(p.norm())]), np.array([float(u.norm())]), group)[0]
+            p.add_(u.mul_(float(ratio)), alpha=-group["lr"])
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -190,6 +196,50 @@ def overhead_rank(preset: str, steps: int) -> None:
               f"({2 * (results['n_tensors'] + 1) * 4} bytes)")
 
 
+def launches(preset: str, scale: int, trust_ratio: str, repeats: int) -> None:
+    """One optimizer step over BERT's tensors in this process: launches counted on the CPU and CPU time, for
+    ZeroAwareLamb and torch's foreach AdamW, at stage 0 and on the one-rank ZeRO flat-partition path (with ZeRO's
+    two bit16 copies)."""
+    import gc
+
+    from bert_ds.devtools.benchmarks.optimizer_step import (
+        bert_groups,
+        flat_groups,
+        measure_step,
+        one_rank_zero_map,
+        zero_lamb,
+        zero_step,
+    )
+
+    def lamb_stage0():
+        return ZeroAwareLamb(bert_groups(preset, scale), lr=1e-3, trust_ratio=trust_ratio), lambda o: o.step()
+
+    def lamb_zero():
+        opt, zmap = zero_lamb(bert_groups(preset, scale), trust_ratio=trust_ratio)
+        return opt, lambda o: zero_step(o, zmap)
+
+    def adamw():
+        return torch.optim.AdamW(bert_groups(preset, scale), lr=1e-3, foreach=True), lambda o: o.step()
+
+    def adamw_zero():
+        groups = bert_groups(preset, scale)
+        zmap = one_rank_zero_map(groups)
+        return torch.optim.AdamW(flat_groups(zmap, groups), lr=1e-3, foreach=True), lambda o: zero_step(o, zmap)
+
+    n = sum(len(g["params"]) for g in bert_groups(preset, max(scale, 64)))
+    print(f"preset={preset} scale=1/{scale} tensors={n} trust_ratio={trust_ratio} threads={torch.get_num_threads()} "
+          f"(one steady-state step; ms: median of {repeats})")
+    print(f"{'optimizer':<38} {'launches':>8} {'ops':>6} {'reads':>6} {'ms':>9}")
+    for name, build in (("ZeroAwareLamb, stage 0", lamb_stage0), ("torch AdamW(foreach=True), stage 0", adamw),
+                        ("ZeroAwareLamb, ZeRO 1/2 path, 1 rank", lamb_zero),
+                        ("torch AdamW(foreach=True), ZeRO path", adamw_zero)):
+        opt, step = build()
+        r = measure_step(opt, step, repeats)
+        print(f"{name:<38} {r['launches']:>8} {r['ops']:>6} {r['reads']:>6} {r['ms']:>9.1f}")
+        del opt, step
+        gc.collect()
+
+
 RANK_ENV = "BERT_DS_BENCH_LAMB_RANK"
 """Set in the environment of the ranks ``overhead`` starts (this file again): they time, the parent only waits."""
 
@@ -220,8 +270,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "base", "large"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--world-size", type=int, default=2)
+    lc = sub.add_parser("launches", help="launches (counted on the CPU) and CPU time of one optimizer step")
+    lc.add_argument("--preset", default="large", choices=["tiny", "base", "large"])
+    lc.add_argument("--scale", type=int, default=1, help="divide every dimension by this (the launches do not change)")
+    lc.add_argument("--trust-ratio", default="decay_only", choices=["all", "decay_only"])
+    lc.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    if args.cmd == "state-bytes":
+    if args.cmd == "launches":
+        launches(args.preset, args.scale, args.trust_ratio, args.repeats)
+    elif args.cmd == "state-bytes":
         state_bytes(args.presets.split(","), [int(w) for w in args.world_sizes.split(",")])
     elif os.environ.get(RANK_ENV):  # one of the ranks `overhead` starts
         overhead_rank(args.preset, args.steps)

@@ -1,15 +1,19 @@
-"""How many kernels a BERT training micro batch launches on a CUDA device, counted on the CPU.
+"""How many kernels a piece of torch code would launch on a CUDA device, counted on the CPU.
 
-Two counters run together: a ``TorchDispatchMode`` sees every aten op that reaches a backend after autograd and
-composite decomposition, and counts those that launch a kernel (:func:`launches_kernel`: not a view or alias, not an
-allocation); :func:`bert_ds.kernels.jit.record_launches` records each Triton launch instead of running it, and makes
-the backend registry decide as on CUDA tensors, so the aten ops counted are those around the kernels a GPU runs.
-The count is the model's own forward and backward (no DeepSpeed gradient hooks, gradients start unset).
+A ``TorchDispatchMode`` sees every aten op that reaches a backend after autograd and composite decomposition. Views
+and in-place metadata ops (from their schemas), allocations and profiler markers launch nothing; ``.item()``
+(``_local_scalar_dense``) is a device-to-host read, counted apart as ``reads``; every other op is one launch, except
+a ``_foreach_*`` op whose tensor lists CUDA would send down its per-tensor slow route, which counts once per tensor.
+The slow-route rule transcribes ``check_fast_path_restrictions`` in torch's ``aten/src/ATen/native/ForeachUtils.h``:
+every tensor strided, dense and non-overlapping on one device, one dtype per list, corresponding tensors of the lists
+with equal sizes and strides (so a list of 0-dim scale tensors beside full tensors is slow). One op is the unit, as a
+launch count on a GPU would be up to constants: a fast-route foreach op launches one kernel per 320 chunks of 65,536
+elements, ``_foreach_norm`` adds a zero-fill and a clean-up kernel. The code counted must not branch on the device.
 
-The count is constant + per_layer * layers + per_sequence * batch: every encoder layer issues the same ops, and any op
-run once per sequence (the last layer's attention did, until it became one masked SDPA call) adds B times its count. :func:`micro_batch_launches` counts six small points, checks each against the formula and
-extrapolates exactly to 24 layers and the recipe's micro batch. The points run on ``meta`` tensors (seconds; a test
-checks that a count on real CPU tensors is the same).
+With ``record_triton``, :func:`bert_ds.kernels.jit.record_launches` records each Triton launch instead of running it
+and makes the backend registry decide as on CUDA tensors. A BERT micro batch (:func:`micro_batch_launches`) counts
+constant + per_layer * layers + per_sequence * batch, fitted on six small points on ``meta`` tensors, each checked
+against the formula, and extrapolated exactly to the model's layers and micro batch.
 """
 
 from __future__ import annotations
@@ -17,22 +21,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bert_ds.config import BertConfig
-from bert_ds.devtools.bench_step import predictions_for, synthetic_batch
-from bert_ds.kernels.jit import record_launches
 
-__all__ = ["LaunchCount", "aten_name_launches_kernel", "count_launches", "launches_kernel", "micro_batch_launch_count",
-           "micro_batch_launches"]
+__all__ = ["LaunchCount", "aten_name_launches_kernel", "count_launches", "foreach_fast_route", "launches_kernel",
+           "micro_batch_launch_count", "micro_batch_launches"]
 
-# Ops that only allocate or re-describe memory: no kernel on a CUDA device (views are found from their schemas).
 _NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
                         "resize_", "resize_as_", "lift_fresh", "set_", "_reshape_alias", "sym_size", "sym_stride",
-                        "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"})
+                        "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type",
+                        "_record_function_enter_new", "_record_function_exit"})
+"""Ops that only allocate, re-describe memory or mark a profiler range: no kernel on a CUDA device."""
+
+_READ = "_local_scalar_dense"
 
 
 def launches_kernel(func: torch._ops.OpOverload) -> bool:
@@ -58,35 +65,80 @@ def aten_name_launches_kernel(name: str) -> bool:
 
 @dataclass
 class LaunchCount:
-    """Kernel launches of one block of code: aten ops by name and Triton kernels by name."""
+    """Launches by aten op and by Triton kernel, device-to-host reads, and every non-view op once (the plain
+    dispatch count)."""
 
-    aten: Counter = dataclasses.field(default_factory=Counter)
+    launches: Counter = dataclasses.field(default_factory=Counter)
     triton: Counter = dataclasses.field(default_factory=Counter)
+    reads: int = 0
+    ops: int = 0
 
     @property
     def total(self) -> int:
-        return sum(self.aten.values()) + sum(self.triton.values())
+        """Kernel launches: aten and Triton (reads not included)."""
+        return sum(self.launches.values()) + sum(self.triton.values())
 
 
-class _AtenCounter(TorchDispatchMode):
-    def __init__(self, counts: Counter) -> None:
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: some order of the dimensions is contiguous (size-1 dimensions never matter)."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def foreach_fast_route(lists: list[list[torch.Tensor]]) -> bool:
+    """Whether CUDA runs a ``_foreach_*`` op over these tensor lists as multi-tensor kernels (see module docstring)."""
+    first = lists[0][0]
+    for tensors in lists:
+        if any(t.device != first.device or t.layout != torch.strided or not _dense(t)
+               or t.dtype != tensors[0].dtype for t in tensors):
+            return False
+    for other in lists[1:]:
+        for a, b in zip(lists[0], other, strict=True):
+            if a.shape != b.shape or any(n != 1 and sa != sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(),
+                                                                                   strict=True)):
+                return False
+    return True
+
+
+def _tensor_lists(args, kwargs) -> list[list[torch.Tensor]]:
+    values = list(args) + list(kwargs.values())
+    return [list(v) for v in values if isinstance(v, list | tuple) and v and isinstance(v[0], torch.Tensor)]
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: LaunchCount) -> None:
         super().__init__()
-        self.counts = counts
+        self.count = count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches_kernel(func):
-            self.counts[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if not (func.is_view or torch.Tag.inplace_view in func.tags):
+            self.count.ops += 1
+            name = func._schema.name.split("::")[-1]
+            if name == _READ:
+                self.count.reads += 1
+            elif name not in _NO_KERNEL:
+                lists = _tensor_lists(args, kwargs) if name.startswith("_foreach_") else []
+                slow = lists and not foreach_fast_route(lists)
+                self.count.launches[name] += len(lists[0]) if slow else 1
+        return func(*args, **kwargs)
 
 
-def count_launches(fn) -> LaunchCount:
-    """Run ``fn()`` with both counters on; Triton launches are recorded, not run (their outputs stay unwritten)."""
+@contextmanager
+def count_launches(record_triton: bool = False) -> Iterator[LaunchCount]:
+    """``with count_launches() as c: ...``; then ``c.total`` launches, ``c.launches`` by op, ``c.reads``. With
+    ``record_triton`` the Triton launches are recorded, not run (their outputs stay unwritten), into ``c.triton``."""
+    from bert_ds.kernels.jit import record_launches
+
     count = LaunchCount()
-    with record_launches() as launches, _AtenCounter(count.aten):
-        fn()
+    with record_launches() if record_triton else nullcontext([]) as recorded, _Counter(count):
+        yield count
     count.triton.update(launch.kernel.fn.__name__ if hasattr(launch.kernel, "fn") else str(launch.kernel)
-                        for launch in launches)
-    return count
+                        for launch in recorded)
 
 
 def _model(config: BertConfig, kernels: str, dtype: torch.dtype, device: torch.device):
@@ -98,11 +150,15 @@ def _model(config: BertConfig, kernels: str, dtype: torch.dtype, device: torch.d
 
 
 def _micro_batch(model, seq: int, batch: int) -> int:
+    from bert_ds.devtools.bench_step import predictions_for, synthetic_batch
+
     device = next(model.parameters()).device
     data = synthetic_batch(model.config, batch, seq, predictions_for(seq), torch.device("cpu"))  # counts on the host
     data = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
     model.zero_grad(set_to_none=True)
-    return count_launches(lambda: model(**data).loss.backward()).total
+    with count_launches(record_triton=True) as count:
+        model(**data).loss.backward()
+    return count.total + count.reads  # a read is a device-to-host copy (and a sync) on a GPU
 
 
 def micro_batch_launch_count(config: BertConfig, seq: int, batch: int, kernels: str = "auto",

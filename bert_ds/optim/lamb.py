@@ -20,9 +20,17 @@ optimizer knows which segment of its flat partition belongs to which original te
 
 ZeRO calls ``step()`` once per param group (``_optimizer_step(i)`` narrows ``param_groups`` to group ``i``) and copies
 each group's fp32 partition to its bit16 partition right after; the all-gather of the bit16 partitions only happens
-after the last group. To need a single all-reduce per step the bound optimizer therefore updates the moments and the
-partial norms in every group call, and applies the weight updates of all groups in the last call, re-copying the
+after the last group. To need a single all-reduce per step the bound optimizer therefore updates the moments in every
+group call, and computes the norms and applies the weight updates of all groups in the last call, re-copying the
 earlier groups' fp32 partitions to their bit16 partitions before ZeRO all-gathers them.
+
+Every step is a fixed number of multi-tensor ops, however many tensors: ``torch._foreach_*`` over each param group's
+tensors at stage 0 (tensors with equal step counts together) and over the runs of each flat partition under ZeRO,
+the ``w`` and ``u`` norms of every tensor in one ``_foreach_norm`` (float64 accumulation, on the CPU too). The trust
+ratios are per-tensor scalars, which torch's foreach kernels only take as a host list: the norms come to the host in
+one copy (one synchronisation per step), the ratios are computed there in float64 (numpy) and applied by one
+``_foreach_mul_``. At stage 0 the update directions of all tensors exist at once (two more model-sized fp32
+buffers at the peak, as torch's foreach AdamW holds one); under ZeRO they did already.
 
 Gradient clipping is not done here. It happens by the global norm before ``step()``: under ZeRO 1/2 in DeepSpeed's
 ``unscale_and_clip_grads`` (fp64 norm), at stage 0 fp32 in :class:`bert_ds.optim.clip.GlobalNormClip`, a step pre-hook
@@ -34,14 +42,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.optim import Optimizer
 
 from bert_ds.errors import BadInput
 
-__all__ = ["TRUST_RATIO_RULES", "UnsupportedZeroSetup", "ZeroAwareLamb", "ZeroLayout", "segment_sq_norms",
-           "zero_layout"]
+if TYPE_CHECKING:
+    from bert_ds.deepspeed_internals import ZeroPartitionMap
+
+__all__ = ["TRUST_RATIO_RULES", "UnsupportedZeroSetup", "ZeroAwareLamb", "ZeroLayout", "layout_from_map",
+           "segment_sq_norms", "zero_layout"]
 
 TRUST_RATIO_RULES = ("all", "decay_only")
 """Which tensors get LAMB's trust ratio: every tensor, or only those of param groups with weight decay."""
@@ -61,8 +74,6 @@ class _GroupLayout:
     """For each run, the global tensor index it belongs to, or -1 for padding."""
     run_index: torch.Tensor
     """``run_tensor`` as an index into the ``(2, n_tensors + 1)`` norm buffer; padding maps to the spare last slot."""
-    run_is_tensor: torch.Tensor
-    """False for padding runs, which are never updated."""
     bit16_partition: torch.Tensor | None
     """ZeRO's bit16 view of this rank's partition, re-filled after a deferred update."""
 
@@ -85,13 +96,18 @@ def zero_layout(zero_optimizer) -> ZeroLayout:
     """Map every original tensor of a ``DeepSpeedZeroOptimizer`` (stage 1/2) to its runs in this rank's partition.
 
     DeepSpeed's partition map (tensor offsets in each flat group, this rank's slice of it) is read by
-    :func:`bert_ds.deepspeed_internals.zero_partition_map`; this turns it into contiguous runs of the flat
-    partition: tensor segments, and padding between or after them. The map describes the plain layout only:
-    :meth:`ZeroAwareLamb.bind_zero` refuses the setups it does not fit (offload, autocast, ZenFlow, MoE) first.
+    :func:`bert_ds.deepspeed_internals.zero_partition_map`; :func:`layout_from_map` turns it into runs. The map
+    describes the plain layout only: :meth:`ZeroAwareLamb.bind_zero` refuses the setups it does not fit (offload,
+    autocast, ZenFlow, MoE) first.
     """
     from bert_ds.deepspeed_internals import zero_partition_map
 
-    zmap = zero_partition_map(zero_optimizer)
+    return layout_from_map(zero_partition_map(zero_optimizer))
+
+
+def layout_from_map(zmap: ZeroPartitionMap) -> ZeroLayout:
+    """Cut each flat partition of a partition map into contiguous runs: tensor segments, and padding between or
+    after them."""
     n_tensors = len(zmap.shapes)
     groups, split = [], []
     for zg in zmap.groups:
@@ -112,35 +128,42 @@ def zero_layout(zero_optimizer) -> ZeroLayout:
         if cursor < end:  # padding at the end of the flat group
             lengths.append(end - cursor)
             run_tensor.append(-1)
-        device = zg.flat.device
         groups.append(_GroupLayout(flat=zg.flat, lengths=lengths, run_tensor=run_tensor,
                                    run_index=torch.tensor([t if t >= 0 else n_tensors for t in run_tensor],
-                                                          dtype=torch.long, device=device),
-                                   run_is_tensor=torch.tensor([t >= 0 for t in run_tensor], device=device),
+                                                          dtype=torch.long, device=zg.flat.device),
                                    bit16_partition=zg.bit16_partition))
     return ZeroLayout(groups=groups, n_tensors=n_tensors, names=[str(s) for s in zmap.shapes], split_tensors=split,
                       process_group=zmap.process_group, world_size=zmap.world_size)
 
 
 def segment_sq_norms(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Squared L2 norm of each contiguous run of ``flat``, in float64.
+    """Squared L2 norm of each contiguous run of ``flat``, in float64: one ``_foreach_norm`` over the runs' views.
 
-    On CUDA, ``_foreach_norm`` over views: multi-tensor kernels with tree reductions, no temporaries. On the CPU,
-    torch's fp32 norm kernels lose accuracy with length (measured: 2.5e-3 relative on the squared norm of 23.4M
-    elements, 3.9e-3 at BERT-large's 31.3M-element word embeddings, against 1e-7 for a float64 sum), so each run is
-    reduced in float64 there.
+    ``dtype=torch.float64``: the CPU casts each element to float64 before summing (an fp32 norm loses accuracy with
+    length there: measured 2.5e-3 relative on the squared norm of 23.4M elements, 3.9e-3 at BERT-large's
+    31.3M-element word embeddings); recent torch's CUDA kernel sums in the output's type too, older ones in fp32
+    over a tree of partial sums, as the per-tensor norms before did.
     """
-    views = torch.split(flat, lengths)
-    if flat.device.type == "cpu":
-        return torch.stack([torch.linalg.vector_norm(v, dtype=torch.float64) for v in views]).square()
-    return torch.stack(torch._foreach_norm(list(views))).double().square()
+    return torch.stack(torch._foreach_norm(list(torch.split(flat, lengths)), dtype=torch.float64)).square()
 
 
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    """L2 norm of one tensor, float64 (see :func:`segment_sq_norms` for why not fp32 on the CPU)."""
-    if t.device.type == "cpu":
-        return torch.linalg.vector_norm(t, dtype=torch.float64)
-    return t.norm().double()
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """``t`` copied to a host array by one ``copy_``: on a GPU the step's one synchronisation; on the CPU the same op,
+    so that the CPU runs (and counts) what a GPU runs."""
+    host = torch.empty(t.shape, dtype=t.dtype)
+    host.copy_(t)
+    return host.numpy()
+
+
+def _host_norms(tensors: list[torch.Tensor]) -> np.ndarray:
+    """Float64 L2 norm of each tensor, on the host: one ``_foreach_norm``, one stack and one copy per device."""
+    out = np.empty(len(tensors))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for index in by_device.values():
+        out[index] = _to_host(torch.stack(torch._foreach_norm([tensors[i] for i in index], dtype=torch.float64)))
+    return out
 
 
 class ZeroAwareLamb(Optimizer):
@@ -176,7 +199,7 @@ class ZeroAwareLamb(Optimizer):
         self._registered: set[int] = set()
         self._layout: ZeroLayout | None = None
         self._pending: dict[int, tuple[torch.Tensor, dict]] = {}
-        self._partials: torch.Tensor | None = None
+        self._run_index: torch.Tensor | None = None
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -216,7 +239,11 @@ class ZeroAwareLamb(Optimizer):
                                        "data-parallel group (MoE expert groups are not supported)")
         if getattr(zero_optimizer, "optimizer", None) is not self:
             raise ValueError("ZeroAwareLamb.bind_zero: the given ZeRO optimizer does not wrap this optimizer")
-        layout = zero_layout(zero_optimizer)
+        return self.bind_layout(zero_layout(zero_optimizer))
+
+    def bind_layout(self, layout: ZeroLayout) -> ZeroLayout:
+        """Step the flat partitions of ``layout`` (one per param group, in order) with per-tensor trust ratios.
+        :meth:`bind_zero` reads the layout from DeepSpeed; a one-rank layout built by hand serves tests."""
         if len(layout.groups) != len(self.param_groups):
             raise RuntimeError(f"ZeroAwareLamb.bind_zero: {len(layout.groups)} ZeRO groups for "
                                f"{len(self.param_groups)} param groups")
@@ -225,45 +252,61 @@ class ZeroAwareLamb(Optimizer):
                 raise RuntimeError(f"ZeroAwareLamb.bind_zero: param group {i} does not hold ZeRO's flat partition")
         self._layout = layout
         self._pending = {}
+        self._run_index = torch.cat([lay.run_index for lay in layout.groups])
         return layout
 
     # ------------------------------------------------------------------ math
     @staticmethod
-    def _moments_and_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
-        """Advance Adam moments in ``state`` and return the LAMB update direction ``u`` (before the trust ratio).
+    def _moments_and_updates(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                             group: dict) -> list[torch.Tensor]:
+        """Advance the Adam moments of ``params`` (equal step counts) and return their LAMB update directions ``u``
+        (before the trust ratio), one multi-tensor op per line of the math.
 
-        ``step`` is a Python int, in the state and mirrored in ``group["step"]`` as DeepSpeed's FusedAdam does: ZeRO's
+        ``step`` is a Python int, in each state and mirrored in ``group["step"]`` as DeepSpeed's FusedAdam does: ZeRO's
         elastic checkpoints save ``param_groups[0]["step"]`` and would pad a 0-dim tensor step into a vector, and
         universal checkpoints accept an int step.
         """
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
-        state["step"] = step = int(state["step"]) + 1
-        group["step"] = step
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        step = states[0]["step"]
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
         if group["bias_correction"]:
             bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
         else:
             bc1 = bc2 = 1.0
-        denom = (exp_avg_sq / bc2).sqrt_().add_(group["eps"])
-        update = (exp_avg / bc1).div_(denom)
+        denom = torch._foreach_div(exp_avg_sqs, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        updates = torch._foreach_div(exp_avgs, bc1)
+        torch._foreach_div_(updates, denom)
         if group["weight_decay"] != 0.0:
-            update.add_(p, alpha=group["weight_decay"])
-        return update
+            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+        return updates
 
     @staticmethod
-    def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> torch.Tensor:
+    def _begin_step(params: list[torch.Tensor], states: list[dict], group: dict) -> None:
+        """Create missing moments and advance each tensor's step count."""
+        for p, state in zip(params, states, strict=True):
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = int(state["step"]) + 1
+        group["step"] = states[-1]["step"]
+
+    @staticmethod
+    def _trust_ratios(w_norm: np.ndarray, u_norm: np.ndarray, group: dict) -> np.ndarray:
+        """Float64 trust ratios ``||w|| / ||u||`` of one param group's tensors, 1 where a norm is 0 (not clamped)."""
         if group["trust_ratio"] == "decay_only" and group["weight_decay"] == 0.0:
-            return torch.ones_like(w_norm)
-        ratio = w_norm / u_norm.clamp_min(torch.finfo(u_norm.dtype).tiny)
+            return np.ones_like(w_norm)
+        with np.errstate(over="ignore", invalid="ignore"):  # w / tiny overflows where u = 0: replaced by 1 below
+            ratio = w_norm / np.maximum(u_norm, np.finfo(np.float64).tiny)
         if group["min_trust"] is not None or group["max_trust"] is not None:
-            ratio = ratio.clamp(group["min_trust"], group["max_trust"])
-        return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+            ratio = np.clip(ratio, group["min_trust"], group["max_trust"])
+        return np.where((w_norm > 0) & (u_norm > 0), ratio, 1.0)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -279,10 +322,11 @@ class ZeroAwareLamb(Optimizer):
         return loss
 
     def _tensor_step(self) -> None:
+        # (group, params, updates) per param group and step count: the tensors stepped together
+        pieces: list[tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = []
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 if id(p) not in self._registered:
                     # DeepSpeed's fp16/bf16 wrapper without ZeRO (FP16_UnfusedOptimizer) swaps in fp32 copies and
                     # steps once inside deepspeed.initialize, before bind_optimizer could refuse it: say so here.
@@ -293,50 +337,73 @@ class ZeroAwareLamb(Optimizer):
                                        "without ZeRO, which ZeroAwareLamb does not support: use ZeRO stage 1 or 2")
                 if p.grad.is_sparse:
                     raise RuntimeError("ZeroAwareLamb does not support sparse gradients")
-                u = self._moments_and_update(p, p.grad, self.state[p], group)
-                r = self._trust_ratio(_norm(p), _norm(u), group)
-                p.add_(u.mul_(r.to(u.dtype)), alpha=-group["lr"])
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            self._begin_step(params, states, group)
+            by_step: dict[int, list[int]] = {}  # bias correction is per step count: tensors that missed steps differ
+            for i, state in enumerate(states):
+                by_step.setdefault(state["step"], []).append(i)
+            for index in by_step.values():
+                ps = [params[i] for i in index]
+                pieces.append((group, ps, self._moments_and_updates(ps, [p.grad for p in ps],
+                                                                    [states[i] for i in index], group)))
+        if not pieces:
+            return
+        params = [p for _, ps, _ in pieces for p in ps]
+        norms = _host_norms(params + [u for _, _, us in pieces for u in us])
+        w_norms, u_norms = norms[:len(params)], norms[len(params):]
+        start = 0
+        for group, ps, us in pieces:
+            end = start + len(ps)
+            ratios = self._trust_ratios(w_norms[start:end], u_norms[start:end], group)
+            start = end
+            torch._foreach_mul_(us, ratios.tolist())  # a host scalar list: torch's multi-tensor kernels take it
+            torch._foreach_add_(ps, us, alpha=-group["lr"])
 
     def _zero_step(self) -> None:
-        import deepspeed.comm as dist
-
         layout = self._layout
-        if self._partials is None:
-            self._partials = torch.zeros(2, layout.n_tensors + 1, dtype=torch.float64,
-                                         device=layout.groups[0].flat.device)
         flat_index = {id(lay.flat): k for k, lay in enumerate(layout.groups)}
+        stepped_now = set()
         for group in self.param_groups:
             k = flat_index.get(id(group["params"][0])) if len(group["params"]) == 1 else None
             if k is None:
                 raise RuntimeError("ZeroAwareLamb: a param group no longer holds the flat partition bound by bind_zero")
             if k in self._pending:
                 raise RuntimeError(f"ZeroAwareLamb: ZeRO group {k} stepped twice before the step completed")
-            lay = layout.groups[k]
-            p = lay.flat
+            p = layout.groups[k].flat
             if p.grad is None:
                 raise RuntimeError(f"ZeroAwareLamb: ZeRO group {k} has no gradient partition")
-            u = self._moments_and_update(p, p.grad, self.state[p], group)
-            # Sum of squares per contiguous run; padding runs land in the spare last slot and are never read.
-            self._partials[0].index_add_(0, lay.run_index, segment_sq_norms(p, lay.lengths))
-            self._partials[1].index_add_(0, lay.run_index, segment_sq_norms(u, lay.lengths))
+            state = self.state[p]
+            self._begin_step([p], [state], group)
             # ZeRO narrows param_groups to the group it steps, so keep the group dict for the deferred update.
-            self._pending[k] = (u, group)
+            self._pending[k] = (self._moments_and_updates([p], [p.grad], [state], group)[0], group)
+            stepped_now.add(k)
         if len(self._pending) < len(layout.groups):
             return  # ZeRO steps the remaining groups next; their updates and ours are applied together
-        if layout.world_size > 1:
-            dist.all_reduce(self._partials, group=layout.process_group)
-        norms = self._partials.sqrt()
         try:
-            for k, (u, group) in self._pending.items():
-                lay = layout.groups[k]
-                ratio = self._trust_ratio(norms[0, lay.run_index], norms[1, lay.run_index], group)
-                ratio = torch.where(lay.run_is_tensor, ratio, 0.0).to(u.dtype)
-                torch._foreach_mul_(list(torch.split(u, lay.lengths)), list(ratio.unbind()))
+            pending = [(layout.groups[k], *self._pending[k]) for k in range(len(layout.groups))]
+            # Sums of squares of w and u per contiguous run of every group, in one op; padding runs land in the spare
+            # last slot (never read).
+            runs = [v for lay, _, _ in pending for v in torch.split(lay.flat, lay.lengths)]
+            runs += [v for lay, u, _ in pending for v in torch.split(u, lay.lengths)]
+            squares = torch.stack(torch._foreach_norm(runs, dtype=torch.float64)).square_()
+            partials = torch.zeros(2, layout.n_tensors + 1, dtype=torch.float64, device=squares.device)
+            partials.index_add_(1, self._run_index, squares.view(2, -1))
+            if layout.world_size > 1:
+                import deepspeed.comm as dist
+
+                dist.all_reduce(partials, group=layout.process_group)
+            norms = np.sqrt(_to_host(partials))
+            for k, (lay, u, group) in enumerate(pending):
+                ratios = self._trust_ratios(norms[0], norms[1], group)
+                run_tensor = np.array(lay.run_tensor)  # padding (-1) reads the spare slot and gets ratio 0
+                run_ratios = np.where(run_tensor >= 0, ratios[run_tensor], 0.0)
+                torch._foreach_mul_(list(torch.split(u, lay.lengths)), run_ratios.tolist())
                 lay.flat.add_(u, alpha=-group["lr"])
-                if lay.bit16_partition is not None:
-                    # ZeRO already copied this group's fp32 partition before our deferred update; refresh it before
-                    # its all-gather (idempotent for the group ZeRO copies after this call).
+                if lay.bit16_partition is not None and k not in stepped_now:
+                    # ZeRO copied this group's fp32 partition to bit16 after an earlier call, before our deferred
+                    # update: refresh it before the all-gather. The groups of this call ZeRO copies after it returns.
                     lay.bit16_partition.data.copy_(lay.flat.data)
         finally:
             self._pending = {}
-            self._partials.zero_()

@@ -8,6 +8,9 @@ writes ``<out>/<job>/rank<r>.json`` (and ``params_rank<r>.pt`` for training jobs
   zero2_aligned                       -- ZeRO-2 with parameter_alignment (padding gaps between tensors)
   zero1_decay_only, zero2_decay_only  -- trust_ratio="decay_only" (no trust ratio for weight-decay-0 tensors)
   naive                               -- the flat-slice LAMB under ZeRO-2: one trust ratio per rank slice
+  zero2_clamped                       -- trust ratios clamped to [0.01, 0.3] (bing_bert's min/max coefficients)
+  per_tensor_<job>                    -- any job above stepped by the frozen per-tensor ZeroAwareLamb
+                                         (tests.helpers.lamb_per_tensor), the reference of the multi-tensor one
   ckpt      -- ZeRO-2: train, save, train more; a fresh engine loads the checkpoint and must continue identically
   ckpt_elastic    -- the same with zero_optimization.elastic_checkpoint (what bert_ds.runtime.engine configures)
   resume_universal -- load ckpt's checkpoint (``--ckpt_from``), converted by ds_to_universal, on another
@@ -39,6 +42,7 @@ from bert_ds.optim import (
 )
 from bert_ds.runtime.distributed import leave_process_group_at_exit
 from tests.helpers.lamb_harness import BETAS, CLIP, EPS, GLOBAL_BATCH, LR, WEIGHT_DECAY, NaiveLamb, batch, make_model
+from tests.helpers.lamb_per_tensor import PerTensorLamb
 
 
 def ds_config(stage: int, world: int, clip: float, round_robin: bool, aligned: bool = False,
@@ -61,11 +65,14 @@ def ds_config(stage: int, world: int, clip: float, round_robin: bool, aligned: b
 
 def make_engine(stage: int, optimizer: str = "lamb", clip: float = CLIP, round_robin: bool = False,
                 aligned: bool = False, elastic: bool = False, universal: bool = False, seed: int = 0,
-                bind: bool = True, trust_ratio: str = "all"):
+                bind: bool = True, trust_ratio: str = "all", **trust_clamp):
     model = make_model(seed)
     if optimizer == "lamb":
         opt = build_optimizer("lamb", model, lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS,
-                              zero_stage=min(stage, 2), trust_ratio=trust_ratio)
+                              zero_stage=min(stage, 2), trust_ratio=trust_ratio, **trust_clamp)
+    elif optimizer == "per_tensor":
+        opt = PerTensorLamb(param_groups(model, WEIGHT_DECAY), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS,
+                            trust_ratio=trust_ratio, **trust_clamp)
     else:
         opt = NaiveLamb(param_groups(model, WEIGHT_DECAY))
     world = int(os.environ["WORLD_SIZE"])
@@ -76,7 +83,10 @@ def make_engine(stage: int, optimizer: str = "lamb", clip: float = CLIP, round_r
     if universal:
         config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    if bind:
+    if bind and isinstance(opt, PerTensorLamb):
+        if stage in (1, 2):
+            opt.bind_zero(engine.optimizer)  # bind_optimizer only knows ZeroAwareLamb
+    elif bind:
         bind_optimizer(engine)
     return engine, opt
 
@@ -104,20 +114,23 @@ TRAIN_JOBS = {
     "zero1_decay_only": dict(stage=1, trust_ratio="decay_only"),
     "zero2_decay_only": dict(stage=2, round_robin=True, trust_ratio="decay_only"),
     "naive": dict(stage=2, round_robin=True, optimizer="naive"),
+    "zero2_clamped": dict(stage=2, round_robin=True, min_trust=0.01, max_trust=0.3),
 }
+TRAIN_JOBS.update({f"per_tensor_{job}": dict(kw, optimizer="per_tensor") for job, kw in list(TRAIN_JOBS.items())
+                   if kw.get("optimizer", "lamb") == "lamb"})
 
 
 def run_job(job: str, steps: int, out: Path, ckpt_from: Path | None = None) -> dict:
     result: dict = {}
     if job in TRAIN_JOBS:
         engine, opt = make_engine(**TRAIN_JOBS[job])
-        layout = opt.zero_layout if isinstance(opt, ZeroAwareLamb) else None
+        layout = opt.zero_layout if isinstance(opt, ZeroAwareLamb | PerTensorLamb) else None
         result["split_tensors"] = [layout.names[i] for i in layout.split_tensors] if layout else []
         result["bound"] = layout is not None
         result["gap_runs"] = sum(t < 0 for lay in layout.groups for t in lay.run_tensor[:-1]) if layout else 0
         train(engine, 0, steps)
         result["params"] = params_of(engine)
-        if isinstance(opt, ZeroAwareLamb):
+        if isinstance(opt, ZeroAwareLamb | PerTensorLamb):
             st = next(iter(opt.state.values()))
             result["state_keys"] = sorted(st)
             result["step"] = float(st["step"])
