@@ -298,7 +298,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, mask, dropout_p, seed):
+def _attention_fwd_fake(q, k, v, mask, dropout_p, seed):
     batch, heads, seq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch * heads, seq), dtype=torch.float32)
 
@@ -332,7 +332,7 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @_attention_bwd.register_fake
-def _(do, q, k, v, mask, o, lse, dropout_p, seed):
+def _attention_bwd_fake(do, q, k, v, mask, o, lse, dropout_p, seed):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 

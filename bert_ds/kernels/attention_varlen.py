@@ -312,7 +312,7 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 
 
 @_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
+def _varlen_fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -346,7 +346,7 @@ def _varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 @_varlen_bwd.register_fake
-def _(do, q, k, v, cu_seqlens, o, lse, max_seqlen, dropout_p, seed):
+def _varlen_bwd_fake(do, q, k, v, cu_seqlens, o, lse, max_seqlen, dropout_p, seed):
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     return dq, torch.empty_like(dq), torch.empty_like(dq)
 

@@ -85,7 +85,7 @@ def _bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 @_bias_gelu_fwd.register_fake
-def _(x, bias):
+def _bias_gelu_fwd_fake(x, bias):
     return x.new_empty(x.shape)
 
 
@@ -107,7 +107,7 @@ def _bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tup
 
 
 @_bias_gelu_bwd.register_fake
-def _(dy, x, bias):
+def _bias_gelu_bwd_fake(dy, x, bias):
     return x.new_empty(x.shape), x.new_empty((x.shape[-1],), dtype=torch.float32)
 
 

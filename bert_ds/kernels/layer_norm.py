@@ -151,7 +151,7 @@ def _layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, r
 
 
 @_layer_norm_fwd.register_fake
-def _(x, weight, bias, residual, eps):
+def _layer_norm_fwd_fake(x, weight, bias, residual, eps):
     rows = x.numel() // x.shape[-1]
     return (x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32),
             x.new_empty((rows,), dtype=torch.float32))
@@ -181,7 +181,7 @@ def _layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, res
 
 
 @_layer_norm_bwd.register_fake
-def _(dy, x, weight, residual, mean, rstd):
+def _layer_norm_bwd_fake(dy, x, weight, residual, mean, rstd):
     n = x.shape[-1]
     return x.new_empty(x.shape), x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32)
 
