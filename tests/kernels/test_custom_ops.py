@@ -68,15 +68,16 @@ def test_compiled_attention_is_one_graph_and_equals_eager(kind, dtype):
 def test_custom_ops_pass_opcheck():
     """Schema, fake tensors (shapes without running a kernel) and the autograd registration, by torch's own checker,
     with and without dropout and key-padding mask."""
-    (q, k, v), _, cu = _varlen_inputs(torch.float32)
+    gen = torch.Generator().manual_seed(4)
     seed = torch.tensor([123, 456])
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)  # small shapes: opcheck runs each op many times, interpreted
     for p in (0.0, 0.2):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        torch.library.opcheck(varlen_mod._varlen_fwd, (*leaves, cu, max(LENGTHS), p, seed))
-    (q, k, v), _, mask = _padded_inputs(torch.float32)
-    for m in (mask.to(torch.int8), None):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        torch.library.opcheck(attention_mod._attention_fwd, (*leaves, m, 0.2, seed))
+        q, k, v = (torch.randn(14, 1, 16, generator=gen, requires_grad=True) for _ in range(3))
+        torch.library.opcheck(varlen_mod._varlen_fwd, (q, k, v, cu, 9, p, seed))
+    mask = (torch.arange(12)[None, :] < torch.tensor([12, 7])[:, None]).to(torch.int8)
+    for m in (mask, None):
+        q, k, v = (torch.randn(2, 1, 12, 16, generator=gen, requires_grad=True) for _ in range(3))
+        torch.library.opcheck(attention_mod._attention_fwd, (q, k, v, m, 0.2, seed))
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "bias_gelu"])
