@@ -18,6 +18,15 @@ from bert_ds.model.unpad import plan
 SEQ, PREDICTIONS = 64, 8
 
 
+@pytest.fixture(autouse=True)
+def _restore_compiler_settings(monkeypatch):
+    """compile_model sets two process-wide compiler settings; other tests in this worker get them back."""
+    import torch.fx.experimental._config as fx_config
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    monkeypatch.setattr(fx_config, "use_duck_shape", fx_config.use_duck_shape)
+
+
 def _model(seed: int = 0, dropout: float = 0.1) -> BertForPreTraining:
     config = model_preset("tiny", vocab_size=300, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(seed)
