@@ -19,12 +19,13 @@ SEQ, PREDICTIONS = 64, 8
 
 
 @pytest.fixture(autouse=True)
-def _restore_compiler_settings(monkeypatch):
+def _restore_compiler_settings():
     """compile_model sets two process-wide compiler settings; other tests in this worker get them back."""
     import torch.fx.experimental._config as fx_config
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    monkeypatch.setattr(fx_config, "use_duck_shape", fx_config.use_duck_shape)
+    saved = torch._dynamo.config.recompile_limit, fx_config.use_duck_shape
+    yield
+    torch._dynamo.config.recompile_limit, fx_config.use_duck_shape = saved
 
 
 def _model(seed: int = 0, dropout: float = 0.1) -> BertForPreTraining:
