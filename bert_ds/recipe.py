@@ -342,6 +342,10 @@ class Recipe:
     model_overrides: dict = field(default_factory=dict)
     """BertConfig fields replacing the preset's (``vocab_size`` is always taken from the tokenizer)."""
     kernels: str = "auto"
+    compile: bool = False
+    """Compile each encoder layer with ``torch.compile`` (:mod:`bert_ds.model.compile`): same parameters and
+    checkpoints; dropout masks come from the compiler's generator, so a compiled run resumes bit-exact against
+    compiled runs, not against eager ones. Off in every shipped recipe until a GPU shows it faster."""
     nsp: bool = True
     """Train the next-sentence head (RoBERTa-style MLM-only when false)."""
     seed: int = 12345
@@ -355,6 +359,8 @@ class Recipe:
             raise ValueError(f"model={self.model!r}: choose one of {sorted(MODEL_PRESETS)}")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels={self.kernels!r}: choose one of {_KERNELS}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r}: must be true or false")
         _non_negative_int("recipe", "seed", self.seed)
         if not self.phases:
             raise ValueError("phases: a recipe needs at least one phase")
@@ -448,7 +454,7 @@ def gradient_accumulation_steps(phase: PhaseConfig, world_size: int, where: str 
 
 
 # Fields that may change between a checkpoint and its resume without changing the numbers the run produces.
-_RESUME_FREE = {"name", "kernels", "logging", "deepspeed.activation_checkpointing",
+_RESUME_FREE = {"name", "kernels", "compile", "logging", "deepspeed.activation_checkpointing",
                 "deepspeed.process_group_timeout_s"}
 # ``lr`` is resume-free so that the non-finite guard's advice (lower the phase's lr, resume) works: a resumed phase
 # scales its restored schedule to the new peak and logs a warning (bert_ds.runtime.trainer._restore).

@@ -4,7 +4,8 @@ Counted on the CPU (:mod:`bert_ds.devtools.launch_count`): kernel-launching aten
 plus the Triton launches ``record_launches`` records, for forward + backward of the model as ``bert_large`` builds it
 (bf16, ``auto``, vocabulary padded to a multiple of 64). Measured 2026-11-28: 100 + 54 per layer + 27 per sequence
 (the last layer then called SDPA once per sequence), 3,124 at phase 1 (64 x 128) and 1,828 at phase 2 (16 x 512);
-with one masked SDPA for the batch, 142 + 54 per layer and nothing per sequence: 1,438 at both phases (transformers'
+with one masked SDPA for the batch, 142 + 54 per layer and nothing per sequence: 1,438 at both phases; with the Triton
+kernels as torch.library custom ops (their implementations counted), 144 + 52 per layer: 1,392 (transformers'
 BertForPreTraining, counted the same way: 53 + 77 per layer, 1,901). The budgets allow 2.5% growth; a change that
 adds launches must lower something else or raise the budget here, saying why.
 """
@@ -23,8 +24,8 @@ from bert_ds.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
-BUDGET = {128: 1_475, 512: 1_475}
-"""Launches per training micro batch at the recipe's phase shapes: today's 1,438 at both plus 2.5%."""
+BUDGET = {128: 1_427, 512: 1_427}
+"""Launches per training micro batch at the recipe's phase shapes: today's 1,392 at both plus 2.5%."""
 
 
 def _large():
@@ -39,8 +40,8 @@ def test_bert_large_micro_batch_launches_stay_within_budget():
     counts = micro_batch_launches(config, seq=128, batch=micro[128])
     assert counts["total"] <= BUDGET[128], counts
     small = dataclasses.replace(config, num_hidden_layers=2)
-    # Counted on meta tensors: a count on real CPU tensors (the ops computed) is the same.
-    assert micro_batch_launch_count(small, 128, 2, device="cpu") == counts["counted"]["L2xB2"]
+    # A direct count equals the fitted point; every layer but the last launches the Triton varlen attention (bf16).
+    assert micro_batch_launch_count(small, 128, 2) == counts["counted"]["L2xB2"]
     # The count does not depend on the sequence length (one varlen block config per bucket, same launches): a point
     # at seq 512 equals seq 128's, so phase 2 follows from the same formula.
     assert micro_batch_launch_count(small, 512, 3) == counts["counted"]["L2xB3"]
@@ -61,7 +62,7 @@ def test_launch_budget_fails_when_each_layer_launches_more(monkeypatch):
 
     monkeypatch.setattr(kernels, "layer_norm", with_extra_op)
     counts = micro_batch_launches(config, seq=128, batch=micro[128])
-    assert counts["per_layer"] > 54 and counts["total"] > BUDGET[128], counts
+    assert counts["per_layer"] > 52 and counts["total"] > BUDGET[128], counts
 
 
 def test_a_count_that_is_not_linear_is_refused(monkeypatch):

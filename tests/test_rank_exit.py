@@ -1,6 +1,6 @@
 """``bert_ds.runtime.rank_exit.end_process``: a rank ends without the interpreter's teardown, but with everything a
-normal exit does first -- its exit code, non-daemon threads finished, ``atexit`` handlers run, Python's and C's
-buffered output written."""
+normal exit does first -- its exit code, non-daemon threads finished (an idle executor's worker stopped), ``atexit``
+handlers run, Python's and C's buffered output written."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tests.helpers import HANG_GUARD_S, child_env
 
 SCRIPT = textwrap.dedent("""
     import atexit, ctypes, sys, threading, time
+    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
     from bert_ds.runtime.rank_exit import end_process
 
@@ -22,6 +23,9 @@ SCRIPT = textwrap.dedent("""
         time.sleep(0.3)
         (out / "thread").write_text("finished")
     threading.Thread(target=late).start()
+    # An idle executor worker (inductor keeps one after torch.compile): its thread only stops when told to
+    pool = ThreadPoolExecutor(1)
+    pool.submit(int).result()
     sys.stdout.write("python, not flushed")
     ctypes.CDLL(None).printf(b"C stdio, not flushed")
     end_process(7)

@@ -290,3 +290,23 @@ def test_resume_blockers_read_a_missing_grad_accum_dtype_as_bf16_sums(precision,
     if blocked:
         data["deepspeed"]["grad_accum_dtype"] = "bf16"
         assert resume_blockers(saved, Recipe.from_dict(data), resolved) == []
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_compile_must_be_a_bool(tmp_path, value):
+    data = _tiny()
+    data["compile"] = value
+    with pytest.raises(ValueError, match=r"compile=.*must be true or false"):
+        load_recipe(_write(tmp_path, data))
+
+
+def test_compile_is_off_in_every_shipped_recipe_and_free_on_resume():
+    """No GPU has shown a compiled step faster yet (docs/recipes.md); switching it on or off resumes (masks change as
+    with another kernel backend), and a checkpoint saved before the field existed resumes."""
+    assert not any(load_recipe(path).compile for path in CONFIGS)
+    data = _tiny()
+    saved = Recipe.from_dict(data).to_dict()
+    data["compile"] = True
+    assert resume_blockers(saved, Recipe.from_dict(data)) == []
+    del saved["compile"]
+    assert resume_blockers(saved, Recipe.from_dict(data)) == []

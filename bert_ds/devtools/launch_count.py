@@ -12,8 +12,9 @@ elements, ``_foreach_norm`` adds a zero-fill and a clean-up kernel. The code cou
 
 With ``record_triton``, :func:`bert_ds.kernels.jit.record_launches` records each Triton launch instead of running it
 and makes the backend registry decide as on CUDA tensors. A BERT micro batch (:func:`micro_batch_launches`) counts
-constant + per_layer * layers + per_sequence * batch, fitted on six small points on ``meta`` tensors, each checked
-against the formula, and extrapolated exactly to the model's layers and micro batch.
+constant + per_layer * layers + per_sequence * batch, fitted on six small points on CPU tensors, each checked against
+the formula, and extrapolated exactly to the model's layers and micro batch. Not on ``meta`` tensors: there the Triton
+kernels' ``torch.library`` custom ops run their fake implementations, which launch (and so record) nothing.
 """
 
 from __future__ import annotations
@@ -109,6 +110,13 @@ def _tensor_lists(args, kwargs) -> list[list[torch.Tensor]]:
     return [list(v) for v in values if isinstance(v, list | tuple) and v and isinstance(v[0], torch.Tensor)]
 
 
+def _custom_ops() -> dict:
+    """``torch.library.custom_op`` definitions by qualified name (torch 2.4+ keeps them in this private table)."""
+    from torch._library import custom_ops
+
+    return custom_ops.OPDEFS
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self, count: LaunchCount) -> None:
         super().__init__()
@@ -116,9 +124,15 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        namespace, name = func._schema.name.split("::")
+        opdef = _custom_ops().get(func._schema.name) if namespace != "aten" else None
+        if opdef is not None:
+            # A torch.library custom op (bert_ds's Triton kernels) is no kernel itself: run its implementation with the
+            # counter on, so the aten ops around its Triton launches count (the launches are recorded).
+            with self:
+                return opdef._init_fn(*args, **kwargs)
         if not (func.is_view or torch.Tag.inplace_view in func.tags):
             self.count.ops += 1
-            name = func._schema.name.split("::")[-1]
             if name == _READ:
                 self.count.reads += 1
             elif name not in _NO_KERNEL:
@@ -162,15 +176,14 @@ def _micro_batch(model, seq: int, batch: int) -> int:
 
 
 def micro_batch_launch_count(config: BertConfig, seq: int, batch: int, kernels: str = "auto",
-                             dtype: torch.dtype = torch.bfloat16, device: str = "meta") -> int:
-    """Launches of one training micro batch of ``config`` at ``batch`` x ``seq``, counted directly: on ``meta``
-    tensors (no arithmetic, the same ops dispatched; the batch's host counts make the forward read nothing back) or
-    on real CPU tensors."""
+                             dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> int:
+    """Launches of one training micro batch of ``config`` at ``batch`` x ``seq``, counted directly on ``device``
+    tensors (the batch's host counts make the forward read nothing back; see the module doc for why not ``meta``)."""
     return _micro_batch(_model(config, kernels, dtype, torch.device(device)), seq, batch)
 
 
 def micro_batch_launches(config: BertConfig, seq: int, batch: int, kernels: str = "auto",
-                         dtype: torch.dtype = torch.bfloat16, device: str = "meta") -> dict:
+                         dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> dict:
     """Launches of one training micro batch (forward + backward) of ``config`` at ``batch`` x ``seq`` on the CUDA
     path, from small counts: count(L, B) = constant + per_layer * L + per_sequence * B, measured at L in (2, 3, 4)
     and B in (2, 3, 4), checked on every point (equal increments, no L x B term at (3, 3)) and extrapolated exactly

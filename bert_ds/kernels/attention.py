@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .dropout import check_dropout_p, draw_dropout_seed, dropout_keep
+from .dropout import check_dropout_p, dropout_keep, dropout_seed_tensor
 from .jit import interpreter_enabled, late_jit
 
 __all__ = ["ATTENTION_CONFIGS", "SUPPORTED_HEAD_DIMS", "attention_torch", "attention_triton"]
@@ -274,52 +274,81 @@ def _dot_args(dtype: torch.dtype) -> dict:
     return {"INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "DOT_DTYPE": dot_dtype}
 
 
-class _AttentionTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mask, dropout_p):
-        batch, heads, seq, head_dim = q.shape
-        seed = draw_dropout_seed() if dropout_p > 0.0 else (0, 0)
-        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        o = torch.empty((batch, heads, seq, head_dim), dtype=q.dtype, device=q.device)
-        lse = torch.empty((batch * heads, seq), dtype=torch.float32, device=q.device)
-        sm_scale = 1.0 / math.sqrt(head_dim)
-        has_mask = mask is not None
-        mask_arg = mask if has_mask else q  # never read when HAS_MASK is False
-        cfg = ATTENTION_CONFIGS["fwd"]
-        grid = (triton.cdiv(seq, cfg["BLOCK_M"]), batch * heads)
-        _attn_fwd_kernel[grid](
-            q, k, v, mask_arg, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            heads, seq, sm_scale * _LOG2E, *seed, dropout_p,
-            HAS_MASK=has_mask, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, **_dot_args(q.dtype), **cfg,
-        )
-        ctx.save_for_backward(q, k, v, mask if has_mask else None, o, lse)
-        ctx.sm_scale, ctx.seed, ctx.dropout_p = sm_scale, seed, dropout_p
-        return o
+# A custom op, not an autograd.Function, so that torch.compile holds it without a graph break; the Philox key is an
+# input drawn by the caller (as in .attention_varlen, which says why).
+@torch.library.custom_op("bert_ds::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+                   seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE): O (B, nh, S, hd), LSE (B * nh, S) fp32 in the log2 domain. ``mask`` (B, S) int8 or None."""
+    batch, heads, seq, head_dim = q.shape
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    o = torch.empty((batch, heads, seq, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch * heads, seq), dtype=torch.float32, device=q.device)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    has_mask = mask is not None
+    mask_arg = mask if has_mask else q  # never read when HAS_MASK is False
+    cfg = ATTENTION_CONFIGS["fwd"]
+    grid = (triton.cdiv(seq, cfg["BLOCK_M"]), batch * heads)
+    _attn_fwd_kernel[grid](
+        q, k, v, mask_arg, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        heads, seq, sm_scale * _LOG2E, *seed.tolist(), dropout_p,
+        HAS_MASK=has_mask, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, **_dot_args(q.dtype), **cfg,
+    )
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, mask, o, lse = ctx.saved_tensors
-        batch, heads, seq, head_dim = q.shape
-        do = _unit_last(do)
-        delta = (do.float() * o.float()).sum(-1).reshape(batch * heads, seq)  # rowsum(dO * O)
-        dq = torch.empty((batch, heads, seq, head_dim), dtype=q.dtype, device=q.device)
-        dk = torch.empty_like(dq)
-        dv = torch.empty_like(dq)
-        mask_arg = mask if mask is not None else q
-        common = dict(HAS_MASK=mask is not None, DROPOUT=ctx.dropout_p > 0.0, HEAD_DIM=head_dim,
-                      **_dot_args(q.dtype))
-        args = (q, k, v, mask_arg, do, lse, delta)
-        strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
-        scales = (heads, seq, ctx.sm_scale * _LOG2E, ctx.sm_scale, *ctx.seed, ctx.dropout_p)
-        cfg = ATTENTION_CONFIGS["bwd_dkdv_dropout" if ctx.dropout_p > 0.0 else "bwd_dkdv"]
-        _attn_bwd_dkdv_kernel[(triton.cdiv(seq, cfg["BLOCK_N"]), batch * heads)](
-            *args, dk, dv, *strides, *scales, **common, **cfg,
-        )
-        cfg = ATTENTION_CONFIGS["bwd_dq"]
-        _attn_bwd_dq_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * heads)](
-            *args, dq, *strides, *scales, **common, **cfg,
-        )
-        return dq, dk, dv, None, None
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, mask, dropout_p, seed):
+    batch, heads, seq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch * heads, seq), dtype=torch.float32)
+
+
+@torch.library.custom_op("bert_ds::attention_bwd", mutates_args=())
+def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   o: torch.Tensor, lse: torch.Tensor, dropout_p: float,
+                   seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV), regenerating the forward's dropout mask from ``seed``."""
+    batch, heads, seq, head_dim = q.shape
+    q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    delta = (do.float() * o.float()).sum(-1).reshape(batch * heads, seq)  # rowsum(dO * O)
+    dq = torch.empty((batch, heads, seq, head_dim), dtype=q.dtype, device=q.device)
+    dk = torch.empty_like(dq)
+    dv = torch.empty_like(dq)
+    mask_arg = mask if mask is not None else q
+    common = dict(HAS_MASK=mask is not None, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, **_dot_args(q.dtype))
+    args = (q, k, v, mask_arg, do, lse, delta)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
+    scales = (heads, seq, sm_scale * _LOG2E, sm_scale, *seed.tolist(), dropout_p)
+    cfg = ATTENTION_CONFIGS["bwd_dkdv_dropout" if dropout_p > 0.0 else "bwd_dkdv"]
+    _attn_bwd_dkdv_kernel[(triton.cdiv(seq, cfg["BLOCK_N"]), batch * heads)](
+        *args, dk, dv, *strides, *scales, **common, **cfg,
+    )
+    cfg = ATTENTION_CONFIGS["bwd_dq"]
+    _attn_bwd_dq_kernel[(triton.cdiv(seq, cfg["BLOCK_M"]), batch * heads)](
+        *args, dq, *strides, *scales, **common, **cfg,
+    )
+    return dq, dk, dv
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(do, q, k, v, mask, o, lse, dropout_p, seed):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _attention_setup_context(ctx, inputs, output) -> None:
+    q, k, v, mask, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, mask, *output, seed)
+    ctx.dropout_p = dropout_p
+
+
+def _attention_backward(ctx, do, _dlse):
+    q, k, v, mask, o, lse, seed = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd(do, q, k, v, mask, o, lse, ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None
+
+
+_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 
 
 def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
@@ -341,4 +370,4 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
         if key_padding_mask.shape != (batch, seq):
             raise ValueError(f"key_padding_mask must be (B, S) = {(batch, seq)}, got {tuple(key_padding_mask.shape)}")
         mask = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
-    return _AttentionTriton.apply(q, k, v, mask, dropout_p)
+    return _attention_fwd(q, k, v, mask, dropout_p, dropout_seed_tensor(dropout_p))[0]

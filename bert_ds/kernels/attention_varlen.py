@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .attention import SUPPORTED_HEAD_DIMS, _dot_args, attention_torch
-from .dropout import check_dropout_p, draw_dropout_seed, dropout_keep
+from .dropout import check_dropout_p, dropout_keep, dropout_seed_tensor
 from .jit import late_jit
 
 __all__ = ["VARLEN_ATTENTION_CONFIGS", "varlen_attention_torch", "varlen_attention_triton", "varlen_block_config"]
@@ -289,50 +289,81 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
-class _VarlenAttentionTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p):
-        total, heads, head_dim = q.shape
-        seed = draw_dropout_seed() if dropout_p > 0.0 else (0, 0)
-        batch = cu_seqlens.numel() - 1
-        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        o = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-        sm_scale = 1.0 / math.sqrt(head_dim)
-        blocks = varlen_block_config(max_seqlen)
-        cfg = blocks["fwd"]
-        _varlen_fwd_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_M"]), batch * heads)](
-            q, k, v, cu_seqlens, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            heads, total, sm_scale * _LOG2E, *seed, dropout_p, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
-            **_dot_args(q.dtype), **cfg,
-        )
-        ctx.save_for_backward(q, k, v, cu_seqlens, o, lse)
-        ctx.sm_scale, ctx.max_seqlen, ctx.blocks = sm_scale, max_seqlen, blocks
-        ctx.seed, ctx.dropout_p = seed, dropout_p
-        return o
+# A custom op (torch.library), not an autograd.Function: torch.compile keeps it in the graph as one opaque node with
+# a fake (shape-only) implementation, so a compiled layer has no graph break here. The Philox key is an input (a
+# (2,) int64 CPU tensor drawn by the caller), never drawn inside: an op that consumed the RNG itself could be
+# reordered or recomputed by the compiler, and the backward must see the forward's key.
+@torch.library.custom_op("bert_ds::varlen_attention_fwd", mutates_args=())
+def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                dropout_p: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE): O like q, LSE (nh, T) fp32 in the log2 domain."""
+    total, heads, head_dim = q.shape
+    batch = cu_seqlens.numel() - 1
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
+    cfg = varlen_block_config(max_seqlen)["fwd"]
+    _varlen_fwd_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_M"]), batch * heads)](
+        q, k, v, cu_seqlens, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        heads, total, 1.0 / math.sqrt(head_dim) * _LOG2E, *seed.tolist(), dropout_p, DROPOUT=dropout_p > 0.0,
+        HEAD_DIM=head_dim, **_dot_args(q.dtype), **cfg,
+    )
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, cu_seqlens, o, lse = ctx.saved_tensors
-        total, heads, head_dim = q.shape
-        batch = cu_seqlens.numel() - 1
-        do = _unit_last(do)
-        delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()  # (nh, T) rowsum(dO * O)
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk, dv = torch.empty_like(dq), torch.empty_like(dq)
-        common = dict(DROPOUT=ctx.dropout_p > 0.0, HEAD_DIM=head_dim, **_dot_args(q.dtype))
-        args = (q, k, v, cu_seqlens, do, lse, delta)
-        strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
-        scales = (heads, total, ctx.sm_scale * _LOG2E, ctx.sm_scale, *ctx.seed, ctx.dropout_p)
-        cfg = ctx.blocks["bwd_dkdv_dropout" if ctx.dropout_p > 0.0 else "bwd_dkdv"]
-        _varlen_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, cfg["BLOCK_N"]), batch * heads)](
-            *args, dk, dv, *strides, *scales, **common, **cfg,
-        )
-        cfg = ctx.blocks["bwd_dq"]
-        _varlen_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, cfg["BLOCK_M"]), batch * heads)](
-            *args, dq, *strides, *scales, **common, **cfg,
-        )
-        return dq, dk, dv, None, None, None
+
+@_varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("bert_ds::varlen_attention_bwd", mutates_args=())
+def _varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                o: torch.Tensor, lse: torch.Tensor, max_seqlen: int, dropout_p: float,
+                seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV), regenerating the forward's dropout mask from ``seed``."""
+    total, heads, head_dim = q.shape
+    batch = cu_seqlens.numel() - 1
+    q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()  # (nh, T) rowsum(dO * O)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk, dv = torch.empty_like(dq), torch.empty_like(dq)
+    common = dict(DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, **_dot_args(q.dtype))
+    args = (q, k, v, cu_seqlens, do, lse, delta)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
+    scales = (heads, total, sm_scale * _LOG2E, sm_scale, *seed.tolist(), dropout_p)
+    blocks = varlen_block_config(max_seqlen)
+    cfg = blocks["bwd_dkdv_dropout" if dropout_p > 0.0 else "bwd_dkdv"]
+    _varlen_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_N"]), batch * heads)](
+        *args, dk, dv, *strides, *scales, **common, **cfg,
+    )
+    cfg = blocks["bwd_dq"]
+    _varlen_bwd_dq_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_M"]), batch * heads)](
+        *args, dq, *strides, *scales, **common, **cfg,
+    )
+    return dq, dk, dv
+
+
+@_varlen_bwd.register_fake
+def _varlen_bwd_fake(do, q, k, v, cu_seqlens, o, lse, max_seqlen, dropout_p, seed):
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return dq, torch.empty_like(dq), torch.empty_like(dq)
+
+
+def _varlen_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, *output, seed)
+    ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
+
+
+def _varlen_backward(ctx, do, _dlse):
+    q, k, v, cu_seqlens, o, lse, seed = ctx.saved_tensors
+    dq, dk, dv = _varlen_bwd(do, q, k, v, cu_seqlens, o, lse, ctx.max_seqlen, ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None
+
+
+_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -350,4 +381,4 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise ValueError(f"varlen attention backend 'triton' supports head_dim in {SUPPORTED_HEAD_DIMS}, "
                          f"got {q.shape[2]}")
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    return _VarlenAttentionTriton.apply(q, k, v, cu, int(max_seqlen), dropout_p)
+    return _varlen_fwd(q, k, v, cu, max_seqlen, dropout_p, dropout_seed_tensor(dropout_p))[0]

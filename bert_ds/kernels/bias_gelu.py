@@ -70,38 +70,62 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class _BiasGeluTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias):
-        n = x.shape[-1]
-        x2 = _rows(x, n)
-        m = x2.shape[0]
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        cfg = BIAS_GELU_CONFIGS["fwd"]
-        if m > 0:
-            grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-            _bias_gelu_fwd_kernel[grid](x2, bias, y, m, n, x2.stride(0), y.stride(0), **cfg)
-        ctx.save_for_backward(x2, bias)
-        ctx.shape = x.shape
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, bias = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = _rows(dy, n)
-        dx = torch.empty_like(x2)
-        cfg = BIAS_GELU_CONFIGS["bwd"]
+# Custom ops (torch.library), not an autograd.Function, so that torch.compile keeps them as graph nodes.
+@torch.library.custom_op("bert_ds::bias_gelu_fwd", mutates_args=())
+def _bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = BIAS_GELU_CONFIGS["fwd"]
+    if m > 0:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-        db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=x2.device)
-        if m > 0:
-            _bias_gelu_bwd_kernel[grid](x2, bias, dy2, dx, db_partial, m, n, x2.stride(0), dy2.stride(0),
-                                        dx.stride(0), **cfg)
-        return dx.view(ctx.shape), db_partial.sum(0).to(bias.dtype)
+        _bias_gelu_fwd_kernel[grid](x2, bias, y, m, n, x2.stride(0), y.stride(0), **cfg)
+    return y.view(x.shape)
+
+
+@_bias_gelu_fwd.register_fake
+def _bias_gelu_fwd_fake(x, bias):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("bert_ds::bias_gelu_bwd", mutates_args=())
+def _bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx shaped like x, dbias fp32)."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    dy2 = _rows(dy, n)
+    dx = torch.empty_like(x2)
+    cfg = BIAS_GELU_CONFIGS["bwd"]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=x2.device)
+    if m > 0:
+        _bias_gelu_bwd_kernel[grid](x2, bias, dy2, dx, db_partial, m, n, x2.stride(0), dy2.stride(0),
+                                    dx.stride(0), **cfg)
+    return dx.view(x.shape), db_partial.sum(0)
+
+
+@_bias_gelu_bwd.register_fake
+def _bias_gelu_bwd_fake(dy, x, bias):
+    return x.new_empty(x.shape), x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+def _bias_gelu_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _bias_gelu_backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, db = _bias_gelu_bwd(dy, x, bias)
+    return dx, db.to(bias.dtype)
+
+
+_bias_gelu_fwd.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup_context)
 
 
 def bias_gelu_triton(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Triton ``gelu_erf(x + bias)``; differentiable in x and bias."""
     if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias_gelu: bias must be ({x.shape[-1]},), got {tuple(bias.shape)}")
-    return _BiasGeluTriton.apply(x, bias.contiguous())
+    return _bias_gelu_fwd(x, bias.contiguous())

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .jit import late_jit
 
-__all__ = ["check_dropout_p", "draw_dropout_seed", "dropout_keep", "dropout_keep_mask"]
+__all__ = ["check_dropout_p", "draw_dropout_seed", "dropout_keep", "dropout_keep_mask", "dropout_seed_tensor"]
 
 _SEED_BOUND = 2**31 - 1  # each half fits an i32 kernel argument: one binary for every seed (no i64 re-specialisation)
 
@@ -38,10 +38,21 @@ def check_dropout_p(dropout_p: float, op: str) -> float:
     return p
 
 
+def dropout_seed_tensor(dropout_p: float) -> torch.Tensor:
+    """(2,) int64 CPU tensor: the Philox key of one attention call, two draws from torch's default CPU generator
+    (see module doc); zeros, with no draw, when ``dropout_p`` is 0. A tensor, not ints, so that under
+    ``torch.compile`` the draw is a graph op feeding the attention custom op (reading ints would break the graph)."""
+    return _draw() if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64)
+
+
 def draw_dropout_seed() -> tuple[int, int]:
-    """The Philox key of one attention call: two draws from torch's default CPU generator (see module doc)."""
-    lo, hi = torch.randint(0, _SEED_BOUND, (2,), dtype=torch.int64).tolist()
+    """The key :func:`dropout_seed_tensor` draws, as two ints (what the kernels take)."""
+    lo, hi = _draw().tolist()
     return int(lo), int(hi)
+
+
+def _draw() -> torch.Tensor:
+    return torch.randint(0, _SEED_BOUND, (2,), dtype=torch.int64)
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import torch
 import triton
 import triton.language as tl
 from triton import knobs
@@ -54,12 +55,13 @@ def triton_version_problem(version: str | None = None) -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result  # read when a graph is traced (dynamo cannot trace triton's knobs)
 def interpreter_enabled() -> bool:
     """True when Triton kernels would run under the CPU interpreter (``TRITON_INTERPRET=1``).
 
     False inside :func:`record_launches`: launch code then takes its compiled-mode path (e.g. bf16 ``tl.dot``
     operands), whose arguments are what an AOT build must see."""
-    return _RECORDING.get() is None and bool(triton.knobs.runtime.interpret)
+    return not recording() and bool(triton.knobs.runtime.interpret)
 
 
 def compiler_mode_problem() -> str | None:
@@ -87,8 +89,12 @@ class Launch:
 _RECORDING: ContextVar[list[Launch] | None] = ContextVar("bert_ds_kernel_recording", default=None)
 
 
+@torch.compiler.assume_constant_result
 def recording() -> bool:
-    """True inside :func:`record_launches`: launches are recorded as a CUDA device would issue them."""
+    """True inside :func:`record_launches`: launches are recorded as a CUDA device would issue them.
+
+    Under ``torch.compile`` the answer is read once when the graph is traced and kept (dynamo cannot trace a
+    ``ContextVar`` read): recording is a tool for eager runs (``bert_ds.devtools.recipe_launches``)."""
     return _RECORDING.get() is not None
 
 

@@ -129,51 +129,78 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class _LayerNormTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps):
-        n = x.shape[-1]
-        x2 = _rows(x, n)
-        r2 = _rows(residual, n) if residual is not None else x2
-        m = x2.shape[0]
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        mean = torch.empty(m, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        block_n = triton.next_power_of_2(n)
-        if m > 0:
-            _layer_norm_fwd_kernel[(m,)](
-                x2, r2, y, weight, bias, mean, rstd,
-                x2.stride(0), r2.stride(0), y.stride(0), n, eps,
-                HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, **LAYER_NORM_CONFIGS["fwd"],
-            )
-        ctx.save_for_backward(x2, r2, weight, mean, rstd)
-        ctx.has_residual = residual is not None
-        ctx.residual_dtype = residual.dtype if residual is not None else None
-        ctx.bias_dtype = bias.dtype
-        ctx.shape = x.shape
-        return y.view(x.shape)
+# Custom ops (torch.library), not an autograd.Function, so that torch.compile keeps them as graph nodes.
+@torch.library.custom_op("bert_ds::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y shaped like x, mean (M,), rstd (M,)) over the M rows of ``x + residual``."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    r2 = _rows(residual, n) if residual is not None else x2
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m > 0:
+        _layer_norm_fwd_kernel[(m,)](
+            x2, r2, y, weight, bias, mean, rstd,
+            x2.stride(0), r2.stride(0), y.stride(0), n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n), **LAYER_NORM_CONFIGS["fwd"],
+        )
+    return y.view(x.shape), mean, rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, r2, weight, mean, rstd = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = _rows(dy, n)
-        dx = torch.empty_like(x2)
-        rows_per_program = LAYER_NORM_CONFIGS["bwd"]["ROWS_PER_PROGRAM"]
-        programs = triton.cdiv(m, rows_per_program)
-        dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
-        db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
-        if m > 0:
-            _layer_norm_bwd_kernel[(programs,)](
-                x2, r2, dy2, dx, weight, mean, rstd, dw_partial, db_partial,
-                x2.stride(0), r2.stride(0), dy2.stride(0), dx.stride(0), m, n,
-                HAS_RESIDUAL=ctx.has_residual, BLOCK_N=triton.next_power_of_2(n), **LAYER_NORM_CONFIGS["bwd"],
-            )
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(ctx.bias_dtype)
-        dx = dx.view(ctx.shape)
-        dres = dx.to(ctx.residual_dtype) if ctx.has_residual else None
-        return dx, dw, db, dres, None
+
+@_layer_norm_fwd.register_fake
+def _layer_norm_fwd_fake(x, weight, bias, residual, eps):
+    rows = x.numel() // x.shape[-1]
+    return (x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32),
+            x.new_empty((rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("bert_ds::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                    mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx shaped like x, dweight fp32, dbias fp32); the residual's gradient is dx."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    r2 = _rows(residual, n) if residual is not None else x2
+    m = x2.shape[0]
+    dy2 = _rows(dy, n)
+    dx = torch.empty_like(x2)
+    rows_per_program = LAYER_NORM_CONFIGS["bwd"]["ROWS_PER_PROGRAM"]
+    programs = triton.cdiv(m, rows_per_program)
+    dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+    db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+    if m > 0:
+        _layer_norm_bwd_kernel[(programs,)](
+            x2, r2, dy2, dx, weight, mean, rstd, dw_partial, db_partial,
+            x2.stride(0), r2.stride(0), dy2.stride(0), dx.stride(0), m, n,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n), **LAYER_NORM_CONFIGS["bwd"],
+        )
+    return dx.view(x.shape), dw_partial.sum(0), db_partial.sum(0)
+
+
+@_layer_norm_bwd.register_fake
+def _layer_norm_bwd_fake(dy, x, weight, residual, mean, rstd):
+    n = x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32)
+
+
+def _layer_norm_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, residual, _eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, residual, mean, rstd)
+    ctx.bias_dtype = bias.dtype
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, residual, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _layer_norm_bwd(dy, x, weight, residual, mean, rstd)
+    dres = dx.to(residual.dtype) if residual is not None else None
+    return dx, dw.to(weight.dtype), db.to(ctx.bias_dtype), dres, None
+
+
+_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
 
 
 def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -184,4 +211,4 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                          f"and {tuple(bias.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    return _LayerNormTriton.apply(x, weight.contiguous(), bias.contiguous(), residual, float(eps))
+    return _layer_norm_fwd(x, weight.contiguous(), bias.contiguous(), residual, float(eps))[0]

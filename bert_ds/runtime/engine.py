@@ -21,6 +21,7 @@ from bert_ds.config import BertConfig
 from bert_ds.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings, zero1_keeps_zero_optimizer
 from bert_ds.errors import BadInput
 from bert_ds.model import BertForPreTraining
+from bert_ds.model.compile import compile_model
 from bert_ds.optim import GlobalNormClip, TimeBudget, bind_optimizer, build_optimizer, lr_lambda
 from bert_ds.recipe import PhaseConfig, Recipe, check_grad_accum_stage, gradient_accumulation_steps
 
@@ -147,6 +148,8 @@ def build_model(recipe: Recipe, model_config: BertConfig, init_from_hf: str | No
     if not recipe.nsp:
         model.bert.pooler.requires_grad_(False)
         model.cls.seq_relationship.requires_grad_(False)
+    if recipe.compile:
+        compile_model(model)  # in place: parameter names (checkpoints, export) unchanged
     return model
 
 

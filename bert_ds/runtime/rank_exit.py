@@ -40,9 +40,10 @@ def _finalize_mpi() -> None:
 def end_process(code: int) -> NoReturn:
     """Finish what a normal exit does, except the interpreter's teardown, and exit with ``code``."""
     try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
+        # What Py_FinalizeEx does first (CPython 3.11 wait_for_thread_shutdown): threading's own atexit callbacks,
+        # which tell idle ThreadPoolExecutor workers to stop (torch.compile's inductor keeps one), then join every
+        # non-daemon thread. Joining without those callbacks waits forever on such a worker.
+        threading._shutdown()
         atexit._run_exitfuncs()  # what Py_FinalizeEx calls; exceptions are printed, as at a normal exit
         _finalize_mpi()
     finally:

@@ -24,6 +24,7 @@ from bert_ds.data.workers import raise_if_worker_died
 from bert_ds.deepspeed_internals import loss_scale
 from bert_ds.errors import BertDsError
 from bert_ds.exit_codes import ExitCode
+from bert_ds.model.compile import COMPILE_BOUND_PER_PHASE, compiled_graphs
 from bert_ds.model.unpad import host_counts
 from bert_ds.optim.schedule import apply_elapsed, rescale_peak
 from bert_ds.runtime.distributed import seed_everything
@@ -466,7 +467,7 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
               watch: StallWatchdog | NoWatchdog | None = None) -> PhaseOutcome:
     """Train phase ``p`` from ``start`` to its end (or a stop: pre-emption, ``--max-steps``, early stop at the
     target eval accuracy), marking each stretch of work on ``watch``."""
-    recipe, phase = plan.recipe, plan.recipe.phases[p]
+    recipe = plan.recipe
     watch = watch or NoWatchdog()
     watch.begin(f"phase {p + 1}: set-up (model, engine, checkpoint, loaders)", slow=True)
     ph = _start_phase(plan, p, start)
@@ -474,10 +475,31 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
         code = preemption.stopped_during_startup(f"before phase {p + 1} step {ph.step + 1}", start.tag, plan.rank)
         return PhaseOutcome(exit_code=code, last_tag=start.tag)
     ph.watch = watch
-    first = True  # compilation, loader start-up and the first collective: a slow stretch
     guard = NonFiniteGuard(recipe.logging.max_nonfinite_steps, p, ph.te.precision, plan.rank)
     it = iter(ph.loader)
     ph.te.engine.train()
+    graphs_before = compiled_graphs()
+    outcome = _train_loop(plan, ph, it, metrics, preemption, watch, guard)
+    if recipe.compile:
+        _log_compiles(plan, p, compiled_graphs() - graphs_before, metrics)
+    return outcome
+
+
+def _log_compiles(plan: RunPlan, p: int, graphs: int, metrics) -> None:
+    """Once per phase: how many graphs ``torch.compile`` built (a number that grows with the steps is a recompile
+    per batch; :data:`~bert_ds.model.compile.COMPILE_BOUND_PER_PHASE` is what the layers need)."""
+    text = f"phase {p + 1}: torch.compile built {graphs} graph(s) (bound {COMPILE_BOUND_PER_PHASE})"
+    if graphs > COMPILE_BOUND_PER_PHASE:
+        log.warning("%s: more than the bound, a batch property is recompiling the layers", text)
+    elif plan.rank == 0:
+        log.info("%s", text)
+    metrics.log_text(f"compile/phase{p + 1}", text)
+
+
+def _train_loop(plan: RunPlan, ph: _Phase, it: Iterator[dict], metrics, preemption: Preemption, watch,
+                guard: NonFiniteGuard) -> PhaseOutcome:
+    p, recipe, phase = ph.index, plan.recipe, plan.recipe.phases[ph.index]
+    first = True  # compilation, loader start-up and the first collective: a slow stretch
     while ph.step < phase.steps:
         # A loader worker that died is reported at a step boundary, never inside an evaluation or a save (its SIGCHLD
         # handler only records the death): here, one that died during the last step's eval or checkpoint ...

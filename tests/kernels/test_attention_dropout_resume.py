@@ -91,14 +91,16 @@ def test_attention_dropout_is_live_and_follows_the_key(unpad, monkeypatch):
     # The package re-exports a function named `attention`, which hides the submodule from `import ... as`.
     padded_module = importlib.import_module("bert_ds.kernels.attention")
     varlen_module = importlib.import_module("bert_ds.kernels.attention_varlen")
-    real, draws = padded_module.draw_dropout_seed, []
+    real, draws = padded_module.dropout_seed_tensor, []
 
-    def counted():
-        draws.append(real())
-        return draws[-1]
+    def counted(dropout_p):
+        seed = real(dropout_p)
+        if dropout_p > 0.0:
+            draws.append(tuple(seed.tolist()))
+        return seed
 
     for module in (padded_module, varlen_module):
-        monkeypatch.setattr(module, "draw_dropout_seed", counted)
+        monkeypatch.setattr(module, "dropout_seed_tensor", counted)
     with_dropout = _run(*_model(unpad, 0.1, hidden_dropout=0.0), range(1))[0][0]
     assert len(draws) == 1  # one Triton attention call: layer 0
     without = _run(*_model(unpad, 0.0, hidden_dropout=0.0), range(1))[0][0]
