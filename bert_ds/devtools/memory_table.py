@@ -95,10 +95,10 @@ def memory_table(rows: list[Row], headroom: Headroom = memory.DEFAULT_HEADROOM) 
     return "\n".join(lines) + "\n"
 
 
-def static_table(world_size: int, vocab_size: int = BERT_VOCAB,
-                 grad_accum: GradAccumLayout = memory.FP32_PARTITION) -> str:
-    """A markdown table of the static state per rank of BERT-base and BERT-large in bf16 under ZeRO 1 and 2 (the
-    recipes' reduce buckets: DeepSpeed's default 5e8 elements, two with ``overlap_comm``)."""
+def static_table(world_size: int, vocab_size: int = BERT_VOCAB, grad_accum_dtype: str = "fp32") -> str:
+    """A markdown table of the static state per rank of BERT-base and BERT-large in bf16 under ZeRO 1 and 2, with
+    gradients summed in ``grad_accum_dtype`` (the recipes' default: fp32) and the recipes' reduce buckets (DeepSpeed's
+    default 5e8 elements, two with ``overlap_comm``)."""
     from bert_ds.config import model_preset
 
     lines = ["| Model | Parameters | ZeRO | Weights GiB | Gradients GiB | fp32 gradient buffer GiB | "
@@ -106,6 +106,7 @@ def static_table(world_size: int, vocab_size: int = BERT_VOCAB,
     for name in ("base", "large"):
         params = memory.parameter_count(model_preset(name, vocab_size=vocab_size, pad_vocab_to_multiple_of=64))
         for stage in (1, 2):
+            grad_accum = memory.recipe_grad_accum(stage, grad_accum_dtype, "bf16")
             s = memory.static_bytes_per_rank(params, world_size, stage, "bf16", grad_accum)
             cells = [s.weights, s.gradients, s.grad_accum, s.master + s.optimizer, s.buckets, s.total]
             lines.append(f"| {name} | {params:,} | {stage} | " + " | ".join(f"{c / GIB:.2f}" for c in cells) + " |")

@@ -249,10 +249,12 @@ class GradAccumLayout:
     the model dtype). The default, an fp32 partition per rank, is what DeepSpeed's ZeRO 1/2 step itself allocates
     (``single_grad_partition``, the gradient partition cast to fp32); an fp32 accumulation kept across micro batches
     would hold that much from the first backward on, which this model assumes either way. A buffer in the model's own
-    dtype costs nothing extra (the gradients are the buffer)."""
+    dtype costs nothing extra (the gradients are the buffer). ``fp32_reduction``: gradients are reduced across ranks in
+    fp32 (``communication_data_type``), which widens DeepSpeed's buffers (:func:`static_bytes_per_rank`)."""
 
     dtype: str | None = "fp32"
     partitioned: bool = True
+    fp32_reduction: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPE_BYTES:
@@ -268,9 +270,8 @@ def recipe_grad_accum(zero_stage: int, grad_accum_dtype: str, dtype: str) -> Gra
     bf16 ZeRO-1 summing in fp32 keeps a whole-model fp32 ``param.grad_accum`` (DeepSpeed 0.19
     ``runtime/zero/stage_1_and_2.py:1234-1240``); every other ZeRO 1/2 run holds at most an fp32 copy of its gradient
     partition (the fp32 sum under ZeRO-2, or the cast DeepSpeed's step makes of bf16 sums)."""
-    if dtype == "bf16" and grad_accum_dtype == "fp32" and zero_stage == 1:
-        return GradAccumLayout("fp32", partitioned=False)
-    return FP32_PARTITION
+    fp32_sums = dtype == "bf16" and grad_accum_dtype == "fp32" and zero_stage in (1, 2)
+    return GradAccumLayout("fp32", partitioned=zero_stage != 1 or not fp32_sums, fp32_reduction=fp32_sums)
 
 
 @dataclass(frozen=True)
@@ -289,7 +290,9 @@ class StaticState:
     """LAMB's / AdamW's two fp32 moments of this rank's partition."""
     buckets: int
     """ZeRO 1/2 with contiguous gradients: the reduce buckets (``reduce_bucket_size`` elements each, two with
-    ``overlap_comm``), allocated at full size whatever the model's size (DeepSpeed 0.19 ``setup_buckets``)."""
+    ``overlap_comm``), allocated at full size whatever the model's size (DeepSpeed 0.19 ``setup_buckets``), in fp32
+    when ZeRO-1 sums in fp32 (``_gradient_reduction_buffer_dtype``); ZeRO-2 reducing in fp32 adds an fp32 copy of
+    one bucket at each reduction (``allreduce_bucket``'s cast to ``communication_data_type``)."""
 
     @property
     def total(self) -> int:
@@ -319,8 +322,20 @@ def static_bytes_per_rank(params: int, world_size: int, zero_stage: int, dtype: 
         grad_accum=accum,
         master=4 * partition if zero or dtype != "fp32" else 0,
         optimizer=8 * partition,
-        buckets=width * reduce_bucket_size * (2 if overlap_comm else 1) if zero and contiguous_gradients else 0,
+        buckets=_bucket_bytes(zero_stage, width, grad_accum, reduce_bucket_size, overlap_comm, contiguous_gradients),
     )
+
+
+def _bucket_bytes(zero_stage: int, width: int, grad_accum: GradAccumLayout, reduce_bucket_size: int,
+                  overlap_comm: bool, contiguous_gradients: bool) -> int:
+    """ZeRO 1/2's reduce buckets (DeepSpeed 0.19 ``runtime/zero/stage_1_and_2.py``: ``setup_buckets``, the buffer
+    dtype of ``_gradient_reduction_buffer_dtype``, the cast in ``allreduce_bucket``)."""
+    if zero_stage == 0 or not contiguous_gradients:
+        return 0
+    fp32_buffers = grad_accum.dtype == "fp32" and not grad_accum.partitioned  # ZeRO-1 summing in fp32
+    buffers = (4 if fp32_buffers else width) * reduce_bucket_size * (2 if overlap_comm else 1)
+    cast = 4 * reduce_bucket_size if grad_accum.fp32_reduction and width != 4 and not fp32_buffers else 0
+    return buffers + cast
 
 
 # ----------------------------------------------------------------------------------------- the estimate and a card

@@ -150,10 +150,17 @@ def test_static_state_per_rank_under_zero_1_and_2():
 
 
 def test_a_recipes_gradient_sums_decide_the_gradient_buffer():
-    # bf16 ZeRO-1 summing in fp32 keeps a whole-model fp32 buffer; ZeRO-2 (and bf16 sums) an fp32 partition.
-    assert memory.recipe_grad_accum(1, "fp32", "bf16") == GradAccumLayout("fp32", partitioned=False)
-    assert memory.recipe_grad_accum(2, "fp32", "bf16") == memory.FP32_PARTITION
+    # bf16 ZeRO-1 summing in fp32 keeps a whole-model fp32 buffer; ZeRO-2 (and bf16 sums) an fp32 partition; fp32
+    # sums are reduced in fp32.
+    assert memory.recipe_grad_accum(1, "fp32", "bf16") == GradAccumLayout("fp32", False, fp32_reduction=True)
+    assert memory.recipe_grad_accum(2, "fp32", "bf16") == GradAccumLayout("fp32", True, fp32_reduction=True)
     assert memory.recipe_grad_accum(1, "bf16", "bf16") == memory.FP32_PARTITION
+    # DeepSpeed's buckets: fp32 under ZeRO-1 fp32 sums; ZeRO-2 reducing in fp32 adds one fp32 copy of a bucket.
+    n, bucket = 1000, 100
+    plain = static_bytes_per_rank(n, 4, 2, "bf16", reduce_bucket_size=bucket, overlap_comm=True).buckets
+    zero2 = static_bytes_per_rank(n, 4, 2, "bf16", memory.recipe_grad_accum(2, "fp32", "bf16"), bucket, True).buckets
+    zero1 = static_bytes_per_rank(n, 4, 1, "bf16", memory.recipe_grad_accum(1, "fp32", "bf16"), bucket, True).buckets
+    assert (plain, zero2, zero1) == (2 * bucket * 2, 2 * bucket * 2 + 4 * bucket, 4 * bucket * 2)
     recipe = load_recipe(REPO / "ds_configs" / "bert_large.json")
     zero1 = dataclasses.replace(recipe, deepspeed=dataclasses.replace(recipe.deepspeed, zero_stage=1))
     config = dataclasses.replace(recipe.model_config(30522), num_hidden_layers=2)
