@@ -194,6 +194,7 @@ def test_mfu_rule_fails_below_the_family_floor_and_reports_unknown_families():
 
     assert gpu_family("NVIDIA H100 80GB HBM3") == "H100 SXM" and gpu_family("NVIDIA H200") == "H200"
     assert gpu_family("NVIDIA GH200 480GB") == "GH200" and gpu_family("NVIDIA H100 PCIe") == "H100 PCIe"
+    assert gpu_family("NVIDIA H200 NVL") == "H200 NVL" and mfu_floor("H200 NVL", 128)[0] is None  # 835 TFLOP/s
     # Today's H100 value passes; a planted 15% regression fails, on the H100 and on the H200 (which takes its floor).
     for seq, measured in ((128, MFU_MEASURED[("H100 SXM", 128)]), (512, MFU_MEASURED[("H100 SXM", 512)])):
         assert mfu_rule(measured, "H100 SXM", seq)[0]

@@ -83,6 +83,7 @@ def test_peak_lookup():
     assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
     assert peak_tflops_for("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0
     assert peak_tflops_for("NVIDIA H100 PCIe", "fp16") == 756.0
+    assert peak_tflops_for("NVIDIA H200 NVL", "bf16") == 835.0 and peak_tflops_for("NVIDIA H200", "bf16") == 989.0
     assert peak_tflops_for("Tesla V100-SXM2-32GB", "fp16") == 125.0
     assert peak_tflops_for("Tesla V100-SXM2-32GB", "bf16") is None
     assert peak_tflops_for("Some Future GPU", "bf16") is None

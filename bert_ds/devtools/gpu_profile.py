@@ -253,8 +253,9 @@ def largest_batch(fits: Callable[[int], float], start: int, cap: int, max_step_s
     while batch <= cap:
         try:
             seconds = fits(batch)
-        except RuntimeError as exc:  # torch.OutOfMemoryError, or a library's "CUDA error: out of memory"
-            if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or a library's "out of memory" / cuBLAS ALLOC_FAILED
+            if not isinstance(exc, torch.OutOfMemoryError) and not any(
+                    sign in str(exc) for sign in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")):
                 raise
             tries.append((batch, "out of memory"))
             break
@@ -298,6 +299,7 @@ def profile_training(bench, seq: int, batch: int, cap: int, max_step_s: float = 
             return seconds
         finally:
             bench.model.zero_grad(set_to_none=True)
+            bench.optimizer.zero_grad(set_to_none=True)  # the fp32 masters' gradients, if the step ran out of memory
             del batch_data
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -160,11 +160,12 @@ a 10-step median is not measured yet; in the same H100 run ``auto`` and the torc
 MFU_MEASURED = {("H100 SXM", 128): 0.1412, ("H100 SXM", 512): 0.1431}
 """``auto``'s MFU per (GPU family, phase sequence length) from the last GPU run: bert-ds-gpu-check on one H100 80GB
 HBM3, 2026-11-27 (docs/measurements/gpu_check_h100_2026-11-27.json), forward + backward at micro batch 64 / 16."""
-_FAMILIES = ((("GH200",), "GH200"), (("H200",), "H200"), (("H100", "NVL"), "H100 NVL"),
+_FAMILIES = ((("GH200",), "GH200"), (("H200", "NVL"), "H200 NVL"), (("H200",), "H200"), (("H100", "NVL"), "H100 NVL"),
              (("H100", "PCIe"), "H100 PCIe"), (("H100",), "H100 SXM"), (("A100",), "A100"))
 _SAME_AS = {"H200": "H100 SXM"}
 """Families without a run of their own that take another's measurement: the H200 is the H100 SXM's die with the same
-dense bf16 peak (989 TFLOP/s, bert_ds.runtime.metrics) and more, faster memory, so its MFU floor is the H100's."""
+dense bf16 peak (989 TFLOP/s, bert_ds.runtime.metrics) and more, faster memory, so its MFU floor is the H100's. The
+H200 NVL (a PCIe card, 835 TFLOP/s) is its own family, without a floor until it is measured."""
 
 
 def gpu_family(device_name: str) -> str | None:

@@ -71,6 +71,7 @@ def training_flops_per_sequence(config: BertConfig, seq_len: int, max_prediction
 # Dense (non-sparse) tensor-core peaks in TFLOP/s from NVIDIA's data sheets. Keys are matched as substrings of
 # torch.cuda.get_device_name(), most specific first. "fp32" is the plain FP32 peak (no TF32).
 _PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("H200", "NVL"), {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),  # PCIe card: the H100 NVL's clocks
     (("H200",), {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
     (("GH200",), {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
     (("H100", "NVL"), {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
