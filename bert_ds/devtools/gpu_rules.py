@@ -198,8 +198,10 @@ def mfu_rule(mfu: float | str, family: str | None, seq: int) -> tuple[bool, dict
 
 
 PROFILE_CLOSURE = 0.01
-"""The profile's categories plus idle must sum to the step's wall time, and kernel time outside every step window
-must stay below this fraction of the step (a kernel escaping its window means the windows did not synchronise)."""
+"""Kernel time outside every step window must stay below this fraction of the step (a kernel escaping its window
+means the windows did not synchronise with the device). Categories plus idle must also sum to the step's wall time
+within it: ``gpu_profile.summarise`` splits each window exactly, so that half checks the accounting code itself (an
+overlap counted twice, a kernel in two windows), not the GPU run."""
 
 
 def profile_rule(summary: dict) -> tuple[bool, dict]:
