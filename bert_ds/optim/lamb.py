@@ -385,8 +385,9 @@ class ZeroAwareLamb(Optimizer):
             pending = [(layout.groups[k], *self._pending[k]) for k in range(len(layout.groups))]
             # Sums of squares of w and u per contiguous run of every group, in one op; padding runs land in the spare
             # last slot (never read).
+            u_runs = [list(torch.split(u, lay.lengths)) for lay, u, _ in pending]
             runs = [v for lay, _, _ in pending for v in torch.split(lay.flat, lay.lengths)]
-            runs += [v for lay, u, _ in pending for v in torch.split(u, lay.lengths)]
+            runs += [v for group_runs in u_runs for v in group_runs]
             squares = torch.stack(torch._foreach_norm(runs, dtype=torch.float64)).square_()
             partials = torch.zeros(2, layout.n_tensors + 1, dtype=torch.float64, device=squares.device)
             partials.index_add_(1, self._run_index, squares.view(2, -1))
@@ -394,12 +395,14 @@ class ZeroAwareLamb(Optimizer):
                 import deepspeed.comm as dist
 
                 dist.all_reduce(partials, group=layout.process_group)
+            # Everything the host needs after the copy is built before it (views, run indices): the device waits
+            # for the host only for the trust-ratio arithmetic on ~n_tensors numbers.
+            run_tensors = [np.array(lay.run_tensor) for lay, _, _ in pending]  # padding (-1): spare slot, ratio 0
             norms = np.sqrt(_to_host(partials))
             for k, (lay, u, group) in enumerate(pending):
                 ratios = self._trust_ratios(norms[0], norms[1], group)
-                run_tensor = np.array(lay.run_tensor)  # padding (-1) reads the spare slot and gets ratio 0
-                run_ratios = np.where(run_tensor >= 0, ratios[run_tensor], 0.0)
-                torch._foreach_mul_(list(torch.split(u, lay.lengths)), run_ratios.tolist())
+                run_ratios = np.where(run_tensors[k] >= 0, ratios[run_tensors[k]], 0.0)
+                torch._foreach_mul_(u_runs[k], run_ratios.tolist())
                 lay.flat.add_(u, alpha=-group["lr"])
                 if lay.bit16_partition is not None and k not in stepped_now:
                     # ZeRO copied this group's fp32 partition to bit16 after an earlier call, before our deferred
