@@ -297,9 +297,8 @@ def profile_training(bench, seq: int, batch: int, cap: int, max_step_s: float = 
                 seconds = time.perf_counter() - start
                 bench.optimizer_step()
             return seconds
-        finally:
-            bench.model.zero_grad(set_to_none=True)
-            bench.optimizer.zero_grad(set_to_none=True)  # the fp32 masters' gradients, if the step ran out of memory
+        finally:  # the model's and the fp32 masters' gradients (a step that ran out of memory leaves both)
+            bench.model.zero_grad(set_to_none=True), bench.optimizer.zero_grad(set_to_none=True)
             del batch_data
             if device.type == "cuda":
                 torch.cuda.empty_cache()
