@@ -269,6 +269,15 @@ def largest_batch(fits: Callable[[int], float], start: int, cap: int, max_step_s
     return best, tries
 
 
+def _release(bench) -> None:
+    """Drop the model's and the fp32 masters' gradients (a step that ran out of memory leaves both) and hand the
+    cached blocks back to the device."""
+    bench.model.zero_grad(set_to_none=True)
+    bench.optimizer.zero_grad(set_to_none=True)
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def profile_training(bench, seq: int, batch: int, cap: int, max_step_s: float = 2.0) -> tuple[bool, dict]:
     """Profile ``bench`` (:class:`~bert_ds.devtools.bench_step.BenchStep`) at ``seq`` x ``batch`` and at the largest
     micro batch that fits (:func:`largest_batch`, probing with two whole steps and timing the second's forward +
@@ -297,11 +306,9 @@ def profile_training(bench, seq: int, batch: int, cap: int, max_step_s: float = 
                 seconds = time.perf_counter() - start
                 bench.optimizer_step()
             return seconds
-        finally:  # the model's and the fp32 masters' gradients (a step that ran out of memory leaves both)
-            bench.model.zero_grad(set_to_none=True), bench.optimizer.zero_grad(set_to_none=True)
+        finally:
             del batch_data
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _release(bench)
 
     profiles = {"recipe_batch": profile_at(batch)}
     largest, tries = largest_batch(fits, batch, cap, max_step_s)

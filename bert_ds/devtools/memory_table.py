@@ -26,7 +26,7 @@ from bert_ds.runtime.memory import GIB, GradAccumLayout, Headroom, MemoryEstimat
 __all__ = ["MemoryTableArgs", "Row", "gpu_recipe_estimates", "main", "memory_table", "static_table"]
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
-BERT_VOCAB = 30522  # Google's uncased WordPiece vocabulary (REFERENCE.md); the recipes' shards set the real size
+BERT_VOCAB = 30522  # BERT's uncased WordPiece vocabulary (google-research/bert vocab.txt); the shards set the real size
 
 
 @dataclass(frozen=True)
