@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where used: bert_ds.runtime.supervise reads these names without it
+if TYPE_CHECKING:  # torch is imported where used: bert_ds.lifecycle.supervise reads these names without it
     import torch
 
 __all__ = ["LAUNCH_MODULE", "LOSS_SCALE_ATTRIBUTE", "MODEL_STATES_NAME", "PICKLED_CLASSES", "RUNNER_MODULE",

@@ -91,7 +91,7 @@ if command -v "$SCONTROL" >/dev/null 2>&1; then
        "kills the ranks ${kill_wait:-KillWait} s later (KillWait): the step and the save (each save logs its" \
        "duration) must fit in that"
 fi
-# The same rule as bert_ds.runtime.launch.slurm_master_port: every task of the job agrees on it without talking.
+# The same rule as bert_ds.lifecycle.hostfile.slurm_master_port: every task of the job agrees on it without talking.
 # 20000-28999: below Linux's ephemeral range (32768-60999, where the kernel picks the ports of outgoing connections,
 # NCCL's and gloo's included), above the registered services of the 1024-19999 range, short of 29400/29500 (torchrun's
 # and DeepSpeed's default rendezvous ports, which other processes on a shared node may hold).

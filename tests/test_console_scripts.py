@@ -24,8 +24,8 @@ SCRIPTS = {
     "bert-ds-create-shards": "create_shards.py",
     "bert-ds-verify-shards": "verify_shards.py",
     "bert-ds-pretrain": None,  # run as `python -m bert_ds.runtime.pretrain` or through the deepspeed launcher
-    "bert-ds-deepspeed": None,  # DeepSpeed's runner under the supervisor (python -m bert_ds.runtime.supervise)
-    "bert-ds-mpirun": None,  # Open MPI's mpirun under the same supervisor (python -m bert_ds.runtime.supervise_mpirun)
+    "bert-ds-deepspeed": None,  # DeepSpeed's runner under the supervisor (python -m bert_ds.lifecycle.supervise)
+    "bert-ds-mpirun": None,  # Open MPI's mpirun, the same supervisor (python -m bert_ds.lifecycle.supervise_mpirun)
     "bert-ds-evaluate": "evaluate.py",
     "bert-ds-convert-checkpoint": "convert_checkpoint.py",
     "bert-ds-finetune": "finetune.py",

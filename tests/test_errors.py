@@ -73,7 +73,7 @@ def test_the_errors_of_bert_ds_carry_their_codes_and_stay_what_they_were():
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_a_command_writing_to_a_full_device_exits_74(capsys):
-    from bert_ds.runtime.launch import main
+    from bert_ds.lifecycle.hostfile import main
 
     assert main(["--hosts", "node0:8", "--output", "/dev/full"]) == ExitCode.IO_ERROR
     err = capsys.readouterr().err
@@ -107,7 +107,7 @@ def test_no_module_writes_its_own_error_line():
     assert found == {}, f"write error lines with bert_ds.errors.run_main / error_lines: {found}"
 
 
-# deepspeed and mpirun (runtime/supervise.py) pass on their ranks' exit codes and write no error line of their own.
+# deepspeed and mpirun (lifecycle/supervise.py) pass on their ranks' exit codes and write no error line of their own.
 @pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"deepspeed", "mpirun"}))
 def test_every_command_main_goes_through_run_main(command):
     path = REPO / (COMMANDS[command][0].replace(".", "/") + ".py")

@@ -32,8 +32,9 @@ def test_the_slurm_scripts_retry_exactly_the_retryable_codes():
 
 
 def test_pretrain_and_the_trainer_use_the_table():
-    from bert_ds.runtime import pretrain, stall, trainer
+    from bert_ds.lifecycle import hang_watchdog
+    from bert_ds.runtime import pretrain, trainer
 
     assert (pretrain.EXIT_FAILED, pretrain.EXIT_BAD_INPUT, pretrain.EXIT_NONFINITE, trainer.EXIT_PREEMPTED,
-            stall.EXIT_STALLED) == (ExitCode.FAILED, ExitCode.BAD_INPUT, ExitCode.NONFINITE, ExitCode.PREEMPTED,
-                                    ExitCode.STALLED)
+            hang_watchdog.EXIT_STALLED) == (ExitCode.FAILED, ExitCode.BAD_INPUT, ExitCode.NONFINITE,
+                                            ExitCode.PREEMPTED, ExitCode.STALLED)

@@ -289,6 +289,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     if os.environ.get(RANK_ENV):
-        from bert_ds.runtime.rank_exit import end_process
+        from bert_ds.lifecycle.rank_exit import end_process
 
         end_process(0)  # a rank: no C++ teardown of gloo's threads (see rank_exit)

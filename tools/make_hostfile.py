@@ -1,4 +1,4 @@
-"""Write a DeepSpeed hostfile from the current Slurm job or a host list: thin CLI over ``bert_ds.runtime.launch``.
+"""Write a DeepSpeed hostfile from the current Slurm job or a host list: thin CLI over ``bert_ds.lifecycle.hostfile``.
 
     python tools/make_hostfile.py --slurm -o hostfile            # inside sbatch/salloc
     python tools/make_hostfile.py --hosts node0:8,node1:8 -o hostfile
@@ -6,7 +6,7 @@
 
 import sys
 
-from bert_ds.runtime.launch import main
+from bert_ds.lifecycle.hostfile import main
 
 if __name__ == "__main__":
     sys.exit(main())

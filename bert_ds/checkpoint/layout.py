@@ -6,7 +6,7 @@ Layout::
     RUN_DIR/recipe.json                  the resolved recipe of the run
     RUN_DIR/tensorboard/                 metrics
     RUN_DIR/heartbeat/rank00000.json ... each rank's last activity, rewritten every few seconds while it trains
-                                         (the progress watchdog, :mod:`bert_ds.runtime.stall`, writes and reads them)
+                                         (written and read by the hang watchdog, :mod:`bert_ds.lifecycle.hang_watchdog`)
     RUN_DIR/checkpoints/                 DeepSpeed's save dir
         latest                           tag of the newest *complete* checkpoint (written last, atomically)
         last_save.json                   how long the newest save took (tag, seconds, ranks, bytes): advisory, read
@@ -95,8 +95,8 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 
 def heartbeat_file(run_dir: str | Path, rank: int) -> Path:
-    """Where rank ``rank`` of a run in ``run_dir`` writes its heartbeat (the format is :mod:`bert_ds.runtime.stall`'s):
-    on the run directory, so every node of the job sees every rank's file."""
+    """Where rank ``rank`` of a run in ``run_dir`` writes its heartbeat (the format is
+    :mod:`bert_ds.lifecycle.hang_watchdog`'s): on the run directory, so every node of the job sees every rank's file."""
     return Path(run_dir) / HEARTBEAT_DIR / f"rank{rank:05d}.json"
 
 

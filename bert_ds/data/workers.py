@@ -158,7 +158,7 @@ def _record_worker_deaths() -> None:
     Recording instead of raising: CPython runs a Python signal handler in the main thread between any two bytecodes,
     whichever thread the kernel delivered the signal to (TensorBoard's writer, gloo's, OpenMP's), so no signal mask
     of the main thread keeps it out of a checkpoint save; an exception from the handler would abort the save half-way.
-    The same pattern as ``bert_ds.runtime.trainer.Preemption``."""
+    The same pattern as ``bert_ds.lifecycle.preemption.Preemption``."""
     global _SIGCHLD_WRAPPED
     if _SIGCHLD_WRAPPED or threading.current_thread() is not threading.main_thread():
         return

@@ -42,8 +42,9 @@ def launch_path(env: Mapping[str, str]) -> str:
 def _env_from_slurm() -> None:
     """``srun python -m bert_ds.runtime.pretrain``: one task per rank, so Slurm's --signal reaches every rank directly
     (the deepspeed launcher would answer SIGTERM by killing its ranks before they can checkpoint). MASTER_ADDR
-    defaults to the job's first node, MASTER_PORT to the job's port (``bert_ds.runtime.launch.slurm_master_port``)."""
-    from bert_ds.runtime.launch import parse_tasks_per_node, slurm_hostnames, slurm_master_port
+    defaults to the job's first node, MASTER_PORT to the job's port
+    (``bert_ds.lifecycle.hostfile.slurm_master_port``)."""
+    from bert_ds.lifecycle.hostfile import parse_tasks_per_node, slurm_hostnames, slurm_master_port
 
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")

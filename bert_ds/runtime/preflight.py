@@ -25,9 +25,9 @@ from bert_ds.cli_args import option
 from bert_ds.config import BertConfig
 from bert_ds.data.mix import MixChangedError, Source, parse_sources
 from bert_ds.exit_codes import ExitCode
+from bert_ds.lifecycle.hang_watchdog import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_FACTOR
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
 from bert_ds.runtime.caches import cache_dir_warnings
-from bert_ds.runtime.stall import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_FACTOR
 
 __all__ = ["RunArgs", "RunPlan", "StartPoint", "plan_run"]
 
@@ -82,7 +82,7 @@ class RunArgs:
     step, each source kept goes on where it was (logged); without it such a resume is refused, naming what changed"""
     step_timeout: float | None = option(None, metavar="SECONDS", help=_STEP_TIMEOUT_HELP)
     """Seconds a training step may take before the progress watchdog ends the job (exit 124); None: derived from the
-    measured step time (:func:`bert_ds.runtime.stall.step_bound`); 0: no watchdog."""
+    measured step time (:func:`bert_ds.lifecycle.hang_watchdog.step_bound`); 0: no watchdog."""
 
     def __post_init__(self) -> None:
         t = self.step_timeout

@@ -32,13 +32,14 @@ loss or weights (the last good checkpoint is kept; fp16 steps the loss scaler sk
 are not counted), 74 a checkpoint save the storage failed (disk full, quota, I/O error; ``latest`` still names the
 previous tag), 75 pre-empted (SIGTERM/SIGUSR1: checkpointed at the next step boundary, even the last step of a phase,
 or stopped before the first step; resubmit with ``--resume auto``), 124 a rank made no progress for
-``--step-timeout`` (:mod:`bert_ds.runtime.stall`: one line names the stalled ranks; resubmit with ``--resume auto``).
+``--step-timeout`` (:mod:`bert_ds.lifecycle.hang_watchdog`: one line names the stalled ranks; resubmit with
+``--resume auto``). What happens to a rank on SIGTERM is :mod:`bert_ds.lifecycle`'s (its docstring follows the path).
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":  # a rank: a pre-emption signal during the imports below is recorded, not fatal
-    from bert_ds.runtime import early_signals
+    from bert_ds.lifecycle import early_signals
 
     early_signals.catch()
 
@@ -56,11 +57,12 @@ from bert_ds.cli_args import build_parser, parse
 from bert_ds.data.loader import LoaderWorkerError
 from bert_ds.errors import run_main
 from bert_ds.exit_codes import ExitCode
+from bert_ds.lifecycle import supervise
+from bert_ds.lifecycle.hang_watchdog import start_watchdog
+from bert_ds.lifecycle.preemption import Preemption
 from bert_ds.recipe import load_recipe
-from bert_ds.runtime import supervise
 from bert_ds.runtime.preflight import RunArgs, RunPlan, StartPoint, plan_run
-from bert_ds.runtime.stall import start_watchdog
-from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, Preemption, run_phase
+from bert_ds.runtime.trainer import EXIT_PREEMPTED, NonFiniteLossError, run_phase
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteLossError", "main",
            "parse_args", "preflight", "train"]
@@ -68,7 +70,7 @@ __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_NONFINITE", "EXIT_PREEMPTED", 
 EXIT_FAILED = ExitCode.FAILED
 EXIT_BAD_INPUT = ExitCode.BAD_INPUT
 EXIT_NONFINITE = ExitCode.NONFINITE
-log = logging.getLogger("bert_ds.runtime.pretrain")
+log = logging.getLogger(__name__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
@@ -105,7 +107,7 @@ def run(plan: RunPlan, preemption: Preemption | None = None) -> int:
         ckpt.set_aside_damaged(plan.ckpt_dir, plan.start.damaged, plan.start.tag)
         if plan.start.tag is not None and (last_save := ckpt.read_last_save(plan.ckpt_dir)) is not None:
             log.info("the previous run's last %s", ckpt.save_time_line(last_save))
-    preemption = preemption or Preemption()
+    preemption = preemption or Preemption().arm()
     metrics = _metrics_logger(plan)
     # A stalled rank ends the job from a thread (os._exit): flush what the run has logged, free this rank's buffers.
     watch = start_watchdog(plan.run_dir, plan.rank, plan.world_size, plan.args.step_timeout,
@@ -159,7 +161,7 @@ def train(args: RunArgs, preemption: Preemption | None = None) -> int:
     joined, before the first step (:func:`~bert_ds.runtime.trainer.run_phase`), having written nothing."""
     from bert_ds.runtime.distributed import init_distributed, release_shm_buffers
 
-    preemption = preemption or Preemption()
+    preemption = preemption or Preemption().arm()
     _check_output(args.output)
     recipe = load_recipe(args.recipe)
     if preemption.requested:
@@ -178,10 +180,10 @@ PROG = "bert_ds.runtime.pretrain"
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses the command line, then arms the pre-emption handler before anything else (SIGTERM/SIGUSR1 from here on
     end in exit 75, never 143), runs through :func:`bert_ds.errors.run_main` (one error line, the error's exit code),
-    and reports the exit code to ``bert-ds deepspeed`` when it started this rank (:mod:`bert_ds.runtime.supervise`;
+    and reports the exit code to ``bert-ds deepspeed`` when it started this rank (:mod:`bert_ds.lifecycle.supervise`;
     an exception that escapes is Python's exit 1)."""
     args = parse_args(argv)
-    preemption = Preemption()
+    preemption = Preemption().arm()
     supervise.arm()
     code = ExitCode.FAILED
     try:
@@ -189,11 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     finally:
         supervise.report_exit(code)
-        # The exit code is decided: a pre-emption signal from here on is moot (a batch script forwarding its own TERM
-        # as USR1 while the ranks exit, say), and Python's finalization would put back the default action, which
-        # dies of it (seen: Slurm tasks ended by USR1 after "exit 75", the job 134).
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
+        preemption.disarm()  # the exit code is decided: a pre-emption signal from here on is moot
 
 
 def _train(args: RunArgs, preemption: Preemption) -> int:
@@ -210,6 +208,6 @@ def _train(args: RunArgs, preemption: Preemption) -> int:
 
 
 if __name__ == "__main__":
-    from bert_ds.runtime.rank_exit import end_process
+    from bert_ds.lifecycle.rank_exit import end_process
 
     end_process(main())  # without the interpreter's teardown: seconds of garbage collection (see rank_exit)

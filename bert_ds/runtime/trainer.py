@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,18 +23,19 @@ from bert_ds.data.workers import raise_if_worker_died
 from bert_ds.deepspeed_internals import loss_scale
 from bert_ds.errors import BertDsError
 from bert_ds.exit_codes import ExitCode
+from bert_ds.lifecycle.hang_watchdog import NoWatchdog, StallWatchdog
+from bert_ds.lifecycle.preemption import Preemption
 from bert_ds.model.compile import COMPILE_BOUND_PER_PHASE, compiled_graphs
 from bert_ds.model.unpad import host_counts
 from bert_ds.optim.schedule import apply_elapsed, rescale_peak
 from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint
-from bert_ds.runtime.stall import NoWatchdog, StallWatchdog
 
-__all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
-           "StepRecord", "run_phase", "train_step"]
+__all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "StepRecord",
+           "run_phase", "train_step"]
 
 EXIT_PREEMPTED = ExitCode.PREEMPTED
-log = logging.getLogger("bert_ds.runtime.pretrain")
+log = logging.getLogger(__name__)
 
 # Per-rank quantities a step sums over its micro batches; one all-reduce sums them over ranks. The flags are summed
 # too, so every rank sees whether *any* rank was signalled or holds non-finite weights, and decides the same. Only
@@ -48,48 +48,6 @@ class NonFiniteLossError(BertDsError, RuntimeError):
     """The loss, gradient norm or updated weights stayed non-finite; the last good checkpoint is kept (exit 3)."""
 
     exit_code = ExitCode.NONFINITE
-
-
-class Preemption:
-    """SIGTERM/SIGUSR1 only set a flag; the loop checkpoints at the next step boundary."""
-
-    last_signal: int | None = None
-    """The last such signal this process received (read by the entry point to explain a failure it caused)."""
-
-    def __init__(self) -> None:
-        from bert_ds.runtime import early_signals
-        from bert_ds.runtime.watchdog import watch_runner
-
-        self.requested = False
-        self.while_importing = early_signals.caught() is not None
-        """The signal came while the rank was still importing (recorded by :mod:`bert_ds.runtime.early_signals`)."""
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-        if self.while_importing:
-            self._handler(early_signals.caught(), None)
-        # SIGTERM to the deepspeed runner alone is not forwarded to the ranks (bert_ds.runtime.watchdog).
-        watch_runner(lambda: self._handler(signal.SIGTERM, None))
-
-    def _handler(self, signum, frame) -> None:
-        self.requested = True
-        Preemption.last_signal = signum
-
-    def stopped_during_startup(self, where: str, last_tag: str | None, rank: int = 0) -> int:
-        """Exit 75 for a signal that came before the first step: nothing was trained, so nothing is saved."""
-        if rank == 0:
-            name = signal.Signals(Preemption.last_signal or signal.SIGTERM).name
-            when = "while the rank was still importing" if self.while_importing else "during start-up"
-            print(f"pre-empted {where} ({name} {when}): nothing trained or written since "
-                  f"{last_tag or 'the start'}; exit {EXIT_PREEMPTED}", flush=True)
-        return EXIT_PREEMPTED
-
-    def agreed(self, device) -> bool:
-        """Whether any rank was asked to stop: one all-reduce, so every rank takes the same branch."""
-        import deepspeed.comm as dist
-
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag)
-        return flag.item() > 0
 
 
 @dataclass(frozen=True)
@@ -230,7 +188,7 @@ class _Phase:
     consumed: int
     last_good: str | None
     watch: StallWatchdog | NoWatchdog = field(default_factory=NoWatchdog)
-    """Where the loop marks each stretch of work (:mod:`bert_ds.runtime.stall`)."""
+    """Where the loop marks each stretch of work (:mod:`bert_ds.lifecycle.hang_watchdog`)."""
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,8 @@ def _sigterm_deepspeed_runner(launcher: psutil.Process) -> str:
 def test_sigterm_to_the_runner_alone_checkpoints_exits_75_no_orphans(shards_128, shards_512, tokenizer_dir,
                                                                      tmp_path, deliver):
     """TERM to the command alone (the supervisor passes it to the ranks), or to DeepSpeed's runner alone (the ranks
-    notice their runner is gone, bert_ds.runtime.watchdog): the ranks checkpoint, the command exits 75 and nothing of
-    the tree (launch.py, ranks, loader workers) outlives the harness's grace period."""
+    notice their runner is gone, bert_ds.lifecycle.runner_watch): the ranks checkpoint, the command exits 75 and
+    nothing of the tree (launch.py, ranks, loader workers) outlives the harness's grace period."""
     run = tmp_path / "run"
     # The runner is polled about once a second, and the tiny recipe's 6 + 2 steps after step 3 take about as long
     # (seen: the run finished, every rank exit 0, before the ranks saw the runner gone): phase 1 runs long enough that
@@ -205,7 +205,7 @@ def test_a_signal_while_a_rank_imports_exits_75_having_written_nothing(shards_12
     """What Slurm's TERM-only pre-emption does to a rank ``srun`` has just started (``slurm/pretrain_common.sh`` runs
     ``python -m bert_ds.runtime.pretrain``): the signal arrives while it still imports torch and DeepSpeed, seconds
     before ``main`` arms its handler. Sent as soon as the module's first lines installed the recording handler
-    (bert_ds.runtime.early_signals), it ends the rank with 75 before it joins a process group, nothing written; the
+    (bert_ds.lifecycle.early_signals), it ends the rank with 75 before it joins a process group, nothing written; the
     line says the signal came while importing (without the early handler the rank died of it: 143, or the handler
     seen first was main's, "during start-up"). A machine so loaded that the signal reached the rank only after its
     imports is retried (up to 3 times): every attempt must still exit 75 having written nothing."""

@@ -1,6 +1,6 @@
 """Fault-table row for a hang (issue 23 item 4): one rank stops making progress (SIGSTOP), the other blocks in the
-step's all-reduce; the progress watchdog (``bert_ds.runtime.stall``) ends the job with exit 124 and a line naming
-the stopped rank's host, local rank and pid.
+step's all-reduce; the hang watchdog (``bert_ds.lifecycle.hang_watchdog``) ends the job with exit 124 and a line
+naming the stopped rank's host, local rank and pid.
 
 Real ranks (``deepspeed`` runner, 2 CPU ranks, gloo) on ``ds_configs/tiny_cpu.json`` cut by
 :func:`~tests.helpers.faults.fault_recipe`, with phase 1 long enough that the run is still training when the rank
@@ -21,7 +21,7 @@ import pytest
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.exit_codes import ExitCode
-from bert_ds.runtime import stall
+from bert_ds.lifecycle import hang_watchdog
 from tests.helpers.faults import Launch, Trigger, execute, fault_recipe, ranks, report_row
 from tests.helpers.ranks import rank_command
 
@@ -40,7 +40,7 @@ def _stop_rank_in_a_step(run: Path, rank: int, stopped: dict):
     def act(launcher: psutil.Process) -> str:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            hb = stall.read_heartbeats(run, 2)[rank]
+            hb = hang_watchdog.read_heartbeats(run, 2)[rank]
             step = re.search(r"step (\d+): training step", hb.doing) if hb else None
             if step and int(step.group(1)) >= 5:
                 break

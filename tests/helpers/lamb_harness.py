@@ -309,7 +309,7 @@ def _precision_worker_main() -> None:
 
 
 if __name__ == "__main__":
-    from bert_ds.runtime.rank_exit import end_process
+    from bert_ds.lifecycle.rank_exit import end_process
 
     _precision_worker_main()
     end_process(0)  # a DeepSpeed rank: no C++ teardown of gloo's threads (see rank_exit)

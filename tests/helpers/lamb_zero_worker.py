@@ -209,7 +209,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from bert_ds.runtime.rank_exit import end_process
+    from bert_ds.lifecycle.rank_exit import end_process
 
     main()
     end_process(0)  # a DeepSpeed rank: no C++ teardown of gloo's threads (see rank_exit)

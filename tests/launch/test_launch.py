@@ -1,4 +1,4 @@
-"""Hostfiles from a host list or a Slurm allocation (``bert_ds.runtime.launch``), and how
+"""Hostfiles from a host list or a Slurm allocation (``bert_ds.lifecycle.hostfile``), and how
 ``bert_ds.runtime.distributed`` tells the launch paths apart, and the checks the ``slurm/`` scripts make before
 starting anything. No ranks start here (the launches run in test_launch_paths.py)."""
 
@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.runtime import distributed
-from bert_ds.runtime.launch import (
+from bert_ds.lifecycle.hostfile import (
     format_hostfile,
     hosts_from_list,
     hosts_from_slurm,
@@ -21,6 +20,7 @@ from bert_ds.runtime.launch import (
     slurm_master_port,
     write_hostfile,
 )
+from bert_ds.runtime import distributed
 from tests.helpers import HANG_GUARD_S, LAUNCHER_VARS, child_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +154,7 @@ def test_srun_environment_maps_to_torch_variables(monkeypatch):
     # a leaked MASTER_ADDR=gpu01 made later launch tests wait for an unresolvable host).
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS})
     seen = []
-    monkeypatch.setattr("bert_ds.runtime.launch.slurm_hostnames",
+    monkeypatch.setattr("bert_ds.lifecycle.hostfile.slurm_hostnames",
                         lambda nodelist: seen.append(nodelist) or ["gpu01", "gpu02"])
     for var, value in {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
                        "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_STEP_NODELIST": "gpu[01-02]"}.items():

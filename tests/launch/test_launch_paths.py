@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_ds.runtime.launch import hosts_from_list, write_hostfile
+from bert_ds.lifecycle.hostfile import hosts_from_list, write_hostfile
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.ranks import DEEPSPEED, PRETRAIN_SCRIPT, REPO
 from tests.helpers.runs import SMALL_RECIPE, run_pretrain, weights, write_recipe

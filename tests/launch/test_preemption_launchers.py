@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from bert_ds import checkpoint as ckpt
-from bert_ds.runtime.launch import hosts_from_list, write_hostfile
+from bert_ds.lifecycle.hostfile import hosts_from_list, write_hostfile
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.faults import ORPHAN_GRACE_S, fault_recipe
 from tests.helpers.ranks import PRETRAIN_SCRIPT, REPO
@@ -85,7 +85,7 @@ def _preempted_tag(run: Path, text: str) -> str:
 def test_two_supervised_no_ssh_launchers_exit_75(shards_128, shards_512, tokenizer_dir, tmp_path):
     hostfile = write_hostfile(tmp_path / "hostfile", hosts_from_list("node0:1,node1:1"))
     port, args = free_port(), _args(tmp_path, shards_128, shards_512, tokenizer_dir)
-    cmds = [[sys.executable, "-m", "bert_ds.runtime.supervise", "--hostfile", str(hostfile), "--no_ssh",
+    cmds = [[sys.executable, "-m", "bert_ds.lifecycle.supervise", "--hostfile", str(hostfile), "--no_ssh",
              "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
              str(PRETRAIN_SCRIPT), *args] for node in (0, 1)]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
@@ -172,9 +172,9 @@ def test_supervised_mpirun_sigterm_exits_75_and_resumes_exactly(target, shards_1
 
 SLOW_SAVER = """
 import sys, time
-from bert_ds.runtime import supervise
-from bert_ds.runtime.trainer import Preemption
-preemption = Preemption()
+from bert_ds.lifecycle import supervise
+from bert_ds.lifecycle.preemption import Preemption
+preemption = Preemption().arm()
 supervise.arm()
 print("armed", flush=True)
 while not preemption.requested:

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if "--rank-of" in sys.argv:
-        from bert_ds.runtime.rank_exit import end_process
+        from bert_ds.lifecycle.rank_exit import end_process
 
         end_process(code)  # a rank: no C++ teardown of gloo's threads (see rank_exit)
     sys.exit(code)

@@ -10,7 +10,7 @@ What the supervisor does (Linux):
 
 - starts ``python -m deepspeed.launcher.runner ARGS`` in a session of its own, so a signal to the caller's process
   group reaches the supervisor alone, with ``PR_SET_PDEATHSIG`` (the runner gets SIGTERM should the supervisor be
-  killed; the ranks then see their runner gone, :mod:`bert_ds.runtime.watchdog`, and checkpoint), and makes itself
+  killed; the ranks then see their runner gone, :mod:`bert_ds.lifecycle.runner_watch`, and checkpoint), and makes itself
   the child subreaper (``PR_SET_CHILD_SUBREAPER``): ``launch.py`` and ranks orphaned by a runner that died are
   re-parented to it, so it can wait for every one of them;
 - on SIGTERM, SIGUSR1, SIGINT or SIGHUP sends SIGTERM to the ranks alone (never to the runner or ``launch.py``), once
@@ -32,7 +32,7 @@ then exits with the first non-zero rank code (75): a signal to the command or it
 ``mpirun`` once this node's ranks have armed (so it reaches the ranks on other nodes too), and ``PR_SET_PDEATHSIG``
 sends ``mpirun`` SIGUSR1 should the supervisor be killed. A TERM sent to ``mpirun`` itself (``kill <its pid>``, or
 Slurm's TERM to every process of a step) never reaches the supervisor: Open MPI TERMs the ranks itself, after the grace
-:mod:`bert_ds.runtime.supervise_mpirun` sets, and exits 1; the ranks' reports then make the command's 75.
+:mod:`bert_ds.lifecycle.supervise_mpirun` sets, and exits 1; the ranks' reports then make the command's 75.
 """
 
 from __future__ import annotations

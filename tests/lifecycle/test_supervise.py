@@ -1,4 +1,4 @@
-"""``bert-ds deepspeed`` (bert_ds.runtime.supervise) and ``bert-ds mpirun`` without ranks: how the job's exit code is
+"""``bert-ds deepspeed`` (bert_ds.lifecycle.supervise) and ``bert-ds mpirun`` without ranks: how the job's exit code is
 decided, the files a rank reports through, the grace ``mpirun`` is given, and a refusal that starts nothing. The
 supervisor with real ranks and real signals: ``tests/faults/test_fault_table_preemption.py`` and
 ``tests/launch/test_preemption_launchers.py``."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bert_ds.exit_codes import ExitCode
-from bert_ds.runtime import supervise, supervise_mpirun
+from bert_ds.lifecycle import supervise, supervise_mpirun
 from tests.helpers import HANG_GUARD_S
 
 
@@ -71,8 +71,8 @@ def test_a_rank_reports_only_under_a_supervisor(tmp_path, monkeypatch):
     assert (tmp_path / f"exit.{os.getpid()}").read_text() == "75"
 
 
-@pytest.mark.parametrize(("module", "launcher"), [("bert_ds.runtime.supervise", "deepspeed"),
-                                                  ("bert_ds.runtime.supervise_mpirun", "mpirun")])
+@pytest.mark.parametrize(("module", "launcher"), [("bert_ds.lifecycle.supervise", "deepspeed"),
+                                                  ("bert_ds.lifecycle.supervise_mpirun", "mpirun")])
 def test_no_arguments_is_refused_before_anything_starts(module, launcher):
     proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc

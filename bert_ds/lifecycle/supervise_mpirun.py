@@ -1,4 +1,4 @@
-"""``bert-ds mpirun ARGS``: Open MPI's ``mpirun`` under the supervisor of :mod:`bert_ds.runtime.supervise`, so a
+"""``bert-ds mpirun ARGS``: Open MPI's ``mpirun`` under the supervisor of :mod:`bert_ds.lifecycle.supervise`, so a
 pre-emption signal to the command, its process group or ``mpirun`` itself ends in a checkpoint and exit 75 (a bare
 ``mpirun`` answers SIGTERM by killing the ranks a second after its own SIGTERM to them, saved or not, and exits 1).
 
@@ -7,7 +7,7 @@ handle, not the supervisor's: Open MPI 4.1 sends each local rank's process group
 ``odls_base_sigkill_timeout`` seconds later and SIGKILL as long again after that
 (``orte/mca/odls/base/odls_base_default_fns.c``), then exits 1. Its default, 1 s, leaves a rank one second to save:
 the supervisor passes :data:`SIGKILL_TIMEOUT_S` unless the user sets the parameter, and decides 75 from the ranks' own
-reports (:func:`bert_ds.runtime.supervise.exit_code_of`), not from ``mpirun``'s 1.
+reports (:func:`bert_ds.lifecycle.supervise.exit_code_of`), not from ``mpirun``'s 1.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from bert_ds.runtime.supervise import MPIRUN, supervise
+from bert_ds.lifecycle.supervise import MPIRUN, supervise
 
 __all__ = ["SIGKILL_PARAM", "SIGKILL_TIMEOUT_S", "main", "mpirun_options"]
 

@@ -33,7 +33,7 @@ __all__ = ["DEFAULT_FLOOR_S", "EXIT_STALLED", "SLOW_FLOOR_S", "STEP_FACTOR", "He
            "StallWatchdog", "allowed_s", "beat_interval_s", "read_heartbeats", "stall_message", "stalled_ranks",
            "start_watchdog", "step_bound"]
 
-log = logging.getLogger("bert_ds.runtime.pretrain")
+log = logging.getLogger(__name__)
 
 DEFAULT_FLOOR_S = 300.0
 """The default bound's floor: half DeepSpeed's default process-group timeout (10 minutes), so the watchdog names the

@@ -1,6 +1,6 @@
 """A pre-emption signal that reaches a rank while it is still importing torch and DeepSpeed (seconds, before ``main``
-arms :class:`bert_ds.runtime.trainer.Preemption`) is recorded, not fatal: ``bert_ds/runtime/pretrain.py`` started as a
-script or with ``python -m`` (what the ``deepspeed`` launcher, ``srun`` in ``slurm/`` and ``mpirun`` run) calls
+arms :class:`bert_ds.lifecycle.preemption.Preemption`) is recorded, not fatal: ``bert_ds/runtime/pretrain.py`` started
+as a script or with ``python -m`` (what the ``deepspeed`` launcher, ``srun`` in ``slurm/`` and ``mpirun`` run) calls
 :func:`catch` before its first heavy import, and ``Preemption`` treats a signal :func:`caught` as asked for. Slurm's
 TERM-only pre-emption signals every process of a step at once, a rank just started included. Imports nothing."""
 

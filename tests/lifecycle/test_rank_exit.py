@@ -1,4 +1,4 @@
-"""``bert_ds.runtime.rank_exit.end_process``: a rank ends without the interpreter's teardown, but with everything a
+"""``bert_ds.lifecycle.rank_exit.end_process``: a rank ends without the interpreter's teardown, but with everything a
 normal exit does first -- its exit code, non-daemon threads finished (an idle executor's worker stopped), ``atexit``
 handlers run, Python's and C's buffered output written."""
 
@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     import atexit, ctypes, sys, threading, time
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
-    from bert_ds.runtime.rank_exit import end_process
+    from bert_ds.lifecycle.rank_exit import end_process
 
     out = Path(sys.argv[1])
     atexit.register(lambda: (out / "atexit").write_text("ran"))

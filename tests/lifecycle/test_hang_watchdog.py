@@ -1,5 +1,6 @@
-"""The progress watchdog's decisions, in-process (``bert_ds.runtime.stall``): the bound, the slow stretches, time a
-stopped process did not run, who is named, the line, the exit. A fake clock drives it; no thread sleeps for a bound.
+"""The hang watchdog's decisions, in-process (``bert_ds.lifecycle.hang_watchdog``): the bound, the slow stretches,
+time a stopped process did not run, who is named, the line, the exit. A fake clock drives it; no thread sleeps for
+a bound.
 The real launch (one rank SIGSTOPped, the job ends 124 naming it) is ``tests/faults/test_fault_table_stall.py``."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import pytest
 
 from bert_ds import checkpoint as ckpt
 from bert_ds.exit_codes import ExitCode
-from bert_ds.runtime import stall
+from bert_ds.lifecycle import hang_watchdog
+from bert_ds.lifecycle.hang_watchdog import Heartbeat, StallWatchdog, allowed_s, stalled_ranks, step_bound
 from bert_ds.runtime.preflight import RunArgs
 from bert_ds.runtime.pretrain import parse_args
-from bert_ds.runtime.stall import Heartbeat, StallWatchdog, allowed_s, stalled_ranks, step_bound
 
 
 class Clock:
@@ -48,11 +49,11 @@ def _hb(rank: int, beat: int, seq: int = 5, reporting: bool = False, doing: str 
 # ---- the bound ------------------------------------------------------------------------------------------------------
 
 def test_default_bound_is_a_floor_or_ten_times_the_slowest_step():
-    assert step_bound(None, None) == stall.DEFAULT_FLOOR_S == 300
+    assert step_bound(None, None) == hang_watchdog.DEFAULT_FLOOR_S == 300
     assert step_bound(None, 12.0) == 300
     assert step_bound(None, 45.0) == 450  # 10 x 45 s
     assert step_bound(20.0, 45.0) == 20  # --step-timeout wins
-    assert allowed_s(20.0, slow=True) == stall.SLOW_FLOOR_S == 1800 and allowed_s(20.0, slow=False) == 20
+    assert allowed_s(20.0, slow=True) == hang_watchdog.SLOW_FLOOR_S == 1800 and allowed_s(20.0, slow=False) == 20
     assert allowed_s(7200.0, slow=True) == 7200
 
 
@@ -134,8 +135,8 @@ def test_the_heartbeat_names_host_local_rank_pid_activity_and_frame(tmp_path):
     record = json.loads(ckpt.heartbeat_file(tmp_path, 1).read_text())
     assert record["rank"] == 1 and record["local_rank"] == 1 and record["pid"] > 0 and record["host"]
     assert record["doing"] == "phase 1 step 3: training step" and record["beat"] >= 1
-    assert "test_stall.py" in record["where"]  # the main thread's frame, read by another thread
-    assert stall.read_heartbeats(tmp_path, 2) == {1: Heartbeat(**record), 0: None}
+    assert "test_hang_watchdog.py" in record["where"]  # the main thread's frame, read by another thread
+    assert hang_watchdog.read_heartbeats(tmp_path, 2) == {1: Heartbeat(**record), 0: None}
 
 
 def test_fire_names_the_silent_rank_in_one_line_and_exits_124(tmp_path, monkeypatch):
@@ -166,10 +167,10 @@ def test_a_stop_ends_the_thread_without_exiting(tmp_path):
 
 
 def test_step_timeout_zero_is_no_watchdog_and_writes_nothing(tmp_path):
-    wd = stall.start_watchdog(tmp_path, 0, 2, 0)
+    wd = hang_watchdog.start_watchdog(tmp_path, 0, 2, 0)
     wd.begin("phase 1 step 1: training step")
     wd.stop()
-    assert isinstance(wd, stall.NoWatchdog) and not (tmp_path / ckpt.HEARTBEAT_DIR).exists()
+    assert isinstance(wd, hang_watchdog.NoWatchdog) and not (tmp_path / ckpt.HEARTBEAT_DIR).exists()
 
 
 # ---- the command line -----------------------------------------------------------------------------------------------
@@ -194,6 +195,7 @@ def test_the_step_timeout_reaches_the_typed_arguments():
 
 
 def test_the_stall_line_has_the_ranks_error_prefix():
-    from bert_ds.runtime import pretrain, stall
+    from bert_ds.lifecycle import hang_watchdog
+    from bert_ds.runtime import pretrain
 
-    assert stall.PROG == pretrain.PROG
+    assert hang_watchdog.PROG == pretrain.PROG

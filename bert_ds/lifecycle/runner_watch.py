@@ -19,7 +19,7 @@ from bert_ds.deepspeed_internals import LAUNCH_MODULE
 
 __all__ = ["watch_runner"]
 
-log = logging.getLogger("bert_ds.runtime.pretrain")
+log = logging.getLogger(__name__)
 
 
 def _runner() -> psutil.Process | None:
