@@ -9,7 +9,9 @@
 * ``bert_ds.checkpoint`` owns the run directory: it writes and reads it (resume and hand-off included); export,
   evaluation and the trainer call it, never the other way round, and neither the trainer nor the DeepSpeed internals
   module names a file of the run directory.
-* No import cycle anywhere in ``bert_ds`` (module-level and function-level imports: a lazy import only hides a cycle).
+* No import cycle anywhere in ``bert_ds`` (module-level and function-level imports: a lazy import only hides a cycle),
+  and no arrow up: a room (subpackage or top-level module) imports only rooms declared below it in
+  :data:`bert_ds.devtools.house.ROOMS` (``python -m bert_ds.devtools.house`` prints the plan).
 * ``tools/`` are thin CLIs over the package: they never import ``tests``.
 """
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from bert_ds.devtools.house import ROOMS, import_cycles, import_graph, main, survey
 from tests.helpers import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,79 +146,6 @@ def test_the_run_directory_owner_does_not_import_its_readers():
 
 # ---- no import cycle ------------------------------------------------------------------------------------------------
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """``bert_ds`` module -> the ``bert_ds`` modules it imports, at module level or inside functions. ``from P import
-    x`` is an edge to ``P.x`` when that is a module, else to ``P`` (a package's ``__init__`` when ``P`` is one);
-    ``import a.b.c`` to the longest module it names. Parent packages that a submodule import runs implicitly are not
-    edges: every package whose ``__init__`` re-exports its modules would look cyclic."""
-    paths = sorted(root.rglob("*.py"))
-    modules = {module_name(p) for p in paths}
-
-    def longest_module(name: str) -> str:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name
-
-    graph = {}
-    for path in paths:
-        me = module_name(path)
-        package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                targets.update(longest_module(alias.name) for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    base = f"{parent}.{base}" if base else parent
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    targets.add(sub if sub in modules else longest_module(base))
-        graph[me] = targets - {"", me}
-    return graph
-
-
-def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    cycles = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                cycles.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return sorted(cycles)
-
-
 def test_the_cycle_finder_sees_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
@@ -231,6 +161,57 @@ def test_no_import_cycle_in_bert_ds():
     graph = import_graph()
     assert len(graph) > 50 and "bert_ds.safe_load" in graph
     assert import_cycles(graph) == []
+
+
+def test_the_house_has_no_arrow_up_and_every_room_is_placed():
+    house = survey(import_graph())
+    assert house.cycles == [] and house.arrows_up == [] and house.undeclared == []
+    assert set(house.rooms) == {room for room, _ in ROOMS}, "ROOMS names a room bert_ds does not have"
+    assert house.sound
+
+
+def test_runtime_is_what_runs_on_a_rank_and_lifecycle_what_runs_around_it():
+    rooms = survey(import_graph()).rooms
+    assert {m.rsplit(".", 1)[1] for m in rooms["runtime"]} - {"runtime"} == {
+        "pretrain", "preflight", "trainer", "engine", "metrics", "distributed", "caches", "memory"}
+    assert {m.rsplit(".", 1)[1] for m in rooms["lifecycle"]} - {"lifecycle"} == {
+        "supervise", "supervise_mpirun", "hostfile", "hang_watchdog", "runner_watch", "rank_exit", "early_signals",
+        "preemption"}
+
+
+def test_the_house_sees_a_planted_cycle_and_a_planted_arrow_up():
+    graph = import_graph()
+    assert "bert_ds.lifecycle.preemption" in graph["bert_ds.runtime.trainer"]  # runtime arms lifecycle: down
+    graph["bert_ds.lifecycle.preemption"].add("bert_ds.runtime.trainer")  # lifecycle reaching up into the loop
+    house = survey(graph)
+    assert ("bert_ds.lifecycle.preemption", "bert_ds.runtime.trainer") in house.arrows_up
+    assert any({"bert_ds.lifecycle.preemption", "bert_ds.runtime.trainer"} <= set(c) for c in house.cycles)
+    assert not house.sound
+    assert survey(import_graph(), order=[r for r in ROOMS if r[0] != "lifecycle"]).undeclared == ["lifecycle"]
+
+
+def test_floors_are_the_longest_chain_inside_a_room():
+    graph = {"p.r.a": {"p.r.b", "p.r.c"}, "p.r.b": {"p.r.c", "p.s"}, "p.r.c": set(), "p.s": set(), "p.r": {"p.r.a"}}
+    house = survey(graph, order=[("p", ""), ("s", ""), ("r", "")])
+    assert house.rooms["r"] == {"p.r": 3, "p.r.a": 2, "p.r.b": 1, "p.r.c": 0} and house.arrows_up == []
+    assert survey(graph, order=[("p", ""), ("r", ""), ("s", "")]).arrows_up == [("p.r.b", "p.s")]
+
+
+def test_the_house_tool_reads_a_package_on_disk_and_fails_on_an_arrow_up(tmp_path, capsys):
+    """A package of two rooms, ``errors`` importing ``cli`` (declared above it), scanned from its files."""
+    pkg = tmp_path / "bert_ds"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "exit_codes.py").write_text("X = 1\n")
+    (pkg / "errors.py").write_text("from bert_ds import exit_codes\n")
+    (pkg / "cli.py").write_text("from bert_ds.errors import *\n")
+    assert main(["--root", str(pkg)]) == 0
+    assert "0 import cycles, 0 arrows up" in capsys.readouterr().out
+    (pkg / "errors.py").write_text("from bert_ds import exit_codes\n\ndef f():\n    from bert_ds import cli\n")
+    assert main(["--root", str(pkg)]) == 1
+    out = capsys.readouterr().out
+    assert "1 import cycles, 1 arrows up" in out
+    assert "arrow up: bert_ds.errors (errors) imports bert_ds.cli (cli)" in out
 
 
 def test_safe_load_and_the_deepspeed_boundary_are_leaves():
