@@ -296,7 +296,7 @@ class StallWatchdog:
                 try:
                     fn()
                 except Exception as exc:  # noqa: BLE001 - exiting anyway; say what was not flushed
-                    self.report(f"bert_ds.runtime.pretrain: warning: {getattr(fn, '__name__', fn)} failed: {exc}")
+                    self.report(f"{PROG}: warning: {getattr(fn, '__name__', fn)} failed: {exc}")
             for handler in logging.getLogger().handlers:
                 handler.flush()
             for stream in (sys.stdout, sys.stderr):
