@@ -1,7 +1,8 @@
 """Imports point down the data flow.
 
-* Importing the model, the data path, the run directory reader, the exporter or evaluation does not import deepspeed
-  (checked in a fresh interpreter): those run on machines and in processes without a DeepSpeed process group.
+* Importing the model, the data path, the run directory reader, the exporter, evaluation or the supervisors does not
+  import deepspeed (checked in a fresh interpreter): those run on machines and in processes without a DeepSpeed
+  process group.
 * ``bert_ds/model`` never imports ``bert_ds.export``, ``bert_ds.runtime.engine`` or ``deepspeed``: the model is
   single-device and the Hugging Face import/export sits above it (``bert_ds.export.hf.load_hf_pretrained``).
 * ``bert_ds/data`` follows its pipeline: a module imports its own stage or earlier ones, never a later one (the order
@@ -57,7 +58,11 @@ create/reader -> loader. Modules of the same stage may import each other; none i
 NO_DEEPSPEED = ["bert_ds.deepspeed_internals",
                 "bert_ds.model", "bert_ds.data", "bert_ds.data.create", "bert_ds.data.loader", "bert_ds.export",
                 "bert_ds.checkpoint", "bert_ds.safe_load", "bert_ds.evaluate", "bert_ds.downstream.finetune",
-                "bert_ds.downstream.features", "bert_ds.runtime.memory"]
+                "bert_ds.downstream.features", "bert_ds.runtime.memory",
+                # the supervisors run DeepSpeed's runner as a child; a rank's pre-emption flag and hang watchdog are
+                # armed before DeepSpeed is imported
+                "bert_ds.lifecycle.supervise", "bert_ds.lifecycle.supervise_mpirun", "bert_ds.lifecycle.preemption",
+                "bert_ds.lifecycle.hang_watchdog"]
 
 
 def imported_modules(source: str, package: str) -> set[str]:
