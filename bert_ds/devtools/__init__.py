@@ -1,2 +1,2 @@
-"""Tooling beside the runtime: the end-to-end demo, the GPU check and the benchmarks. Nothing in the training
-runtime imports from here."""
+"""Tooling beside the runtime: the end-to-end demo, the GPU check, the benchmarks and the house plan
+(``python -m bert_ds.devtools.house``). Nothing in the training runtime imports from here."""
