@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,71 @@ def test_compile_is_off_in_every_shipped_recipe_and_free_on_resume():
     assert resume_blockers(saved, Recipe.from_dict(data)) == []
     del saved["compile"]
     assert resume_blockers(saved, Recipe.from_dict(data)) == []
+
+
+@pytest.mark.parametrize("precision, refused", [("fp32", True), ("bf16", False), ("fp16", False), ("auto", False)])
+def test_explicit_triton_with_fp32_is_refused_at_validation(tmp_path, precision, refused):
+    """The Triton attention kernels refuse fp32 tensors on a GPU; a recipe asking for both is refused when it is
+    loaded (exit 2, before any rank starts), naming both fields, not at the first attention call of a started run.
+    ``auto`` resolves to bf16 on a GPU; on CPU ranks Triton needs the interpreter either way."""
+    from bert_ds.errors import BadInput
+
+    data = _tiny()
+    data["kernels"], data["deepspeed"]["precision"] = "triton", precision
+    path = _write(tmp_path, data)
+    if not refused:
+        assert load_recipe(path).kernels == "triton"
+        return
+    with pytest.raises(BadInput) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert str(path) in message and "kernels='triton'" in message and "deepspeed.precision='fp32'" in message
+    data["kernels"] = "auto"  # the same recipe with the registry choosing (SDPA for fp32 attention) loads
+    assert load_recipe(_write(tmp_path, data)).deepspeed.precision == "fp32"
+
+
+def test_recipe_refusals_are_typed_bad_input(tmp_path):
+    """Every refusal of a recipe is the typed bad input (exit 2), not a bare ValueError (a bug, exit 1)."""
+    from bert_ds.errors import BadInput
+    from bert_ds.exit_codes import ExitCode
+
+    data = _tiny()
+    data["phases"][0]["lr"] = -1.0
+    with pytest.raises(BadInput, match=r"phases\[0\]\.lr=-1\.0") as err:
+        load_recipe(_write(tmp_path, data))
+    assert err.value.exit_code == ExitCode.BAD_INPUT
+    with pytest.raises(BadInput, match="global_batch_size=16 is not divisible"):
+        gradient_accumulation_steps(load_recipe(CONFIGS[0].parent / "tiny_cpu.json").phases[0], 3)
+
+
+@pytest.mark.parametrize("handoff, message", [
+    ({"optimizer_step": "restart"}, "handoff.optimizer_step='restart'"),
+    ({"step": "continue"}, "handoff.step"),
+])
+def test_handoff_is_validated(tmp_path, handoff, message):
+    data = _tiny()
+    data["handoff"] = handoff
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_recipe(_write(tmp_path, data))
+
+
+def test_one_phase_recipe_has_no_handoff(tmp_path):
+    data = _tiny()
+    data["phases"] = data["phases"][:1]
+    data["handoff"] = {"optimizer_step": "continue"}
+    with pytest.raises(ValueError, match="one-phase recipe has no hand-off"):
+        load_recipe(_write(tmp_path, data))
+
+
+def test_handoff_step_blocks_resume_and_old_checkpoints_read_as_reset():
+    """The step count changes phase 2's numbers, so it is not free on resume; a recipe saved before the field
+    existed restarted the count (``reset``)."""
+    paper = load_recipe(CONFIGS[0].parent / "bert_base_paper.json")
+    saved = json.loads(json.dumps(paper.to_dict()))
+    assert resume_blockers(saved, paper) == []
+    del saved["handoff"]
+    assert resume_blockers(saved, paper) == ["handoff.optimizer_step"]
+    tiny = load_recipe(CONFIGS[0].parent / "tiny_cpu.json")
+    old = json.loads(json.dumps(tiny.to_dict()))
+    del old["handoff"]
+    assert resume_blockers(old, tiny) == []
