@@ -327,3 +327,38 @@ def torch_threads(n: int) -> int:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     return before
+
+
+def _layer_norm_builds(target):
+    from bert_ds.kernels import aot
+
+    return aot.kernel_builds([target], aot.bert_shapes()[-1:], entries=aot.ENTRIES[:1])  # LayerNorm, large-s512
+
+
+def test_a_jit_compile_without_any_aot_build_fails_naming_the_kernel(monkeypatch):
+    """A kernel the JIT compiled during training but the AOT report has no build of is a gap the report never
+    checked: it fails, named, even when every other compile matches."""
+    import bert_ds.devtools.gpu_check as gpu_check
+    from bert_ds.devtools.gpu_check import _spec_key
+    from bert_ds.kernels import aot
+
+    target = aot.TARGETS[1]
+    builds = _layer_norm_builds(target)
+    monkeypatch.setattr(gpu_check, "_aot_builds", lambda targets: builds)
+    seen = [_spec_key(b.kernel, b.spec.signature, b.spec.constexprs, b.spec.attrs, b.spec.options["num_warps"],
+                      b.spec.options["num_stages"]) for b in builds]
+    ok, details = jit_matches_aot(seen, target)
+    assert ok and details["kernels_without_aot_entry"] == [], details
+    stray = ("_unlisted_softmax_fwd", (("X", "*bf16"),), "[]", "[]", 4, 3)
+    ok, details = jit_matches_aot([*seen, stray], target)
+    assert not ok and details["kernels_without_aot_entry"] == ["_unlisted_softmax_fwd"]
+    assert "_unlisted_softmax_fwd" in details["reason"] and "no AOT build covers" in details["reason"]
+    assert not jit_matches_aot([], target)[0]  # nothing compiled is not a pass either
+
+
+def test_aot_sass_fails_on_an_empty_build_list(monkeypatch):
+    import bert_ds.devtools.gpu_check as gpu_check
+
+    monkeypatch.setattr(gpu_check, "_aot_builds", lambda targets: [])
+    ok, details = gpu_check._aot_sass_check()
+    assert not ok and "no AOT build to check" in details["reason"]
