@@ -379,3 +379,43 @@ def test_handoff_step_blocks_resume_and_old_checkpoints_read_as_reset():
     old = json.loads(json.dumps(tiny.to_dict()))
     del old["handoff"]
     assert resume_blockers(old, tiny) == []
+
+
+# What each GPU recipe's source sets for the fields the deviation table must name when ours differ: the model
+# (NVIDIA's run_pretraining.sh: bert_configs/large.json) and the seed (NVIDIA's run_pretraining.sh 12439, MosaicBERT's
+# yaml 17, academic-budget-bert's --seed default 42).
+_SOURCE_FIELDS = {"bert_base": {"model": "large", "seed": 12439}, "bert_large": {"model": "large", "seed": 12439},
+                  "bert_base_8gpu": {"model": "large", "seed": 12439}, "bert_base_mosaic": {"seed": 17},
+                  "bert_large_24h": {"model": "large", "seed": 42}}
+
+
+def _deviation_rows() -> list[tuple[set[str], str]]:
+    """(recipes named in the first cell, the Field cell) of every row of docs/recipes.md's deviation table."""
+    text = (CONFIGS[0].parents[1] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    table = text[text.index("## Deviations from the sources"):text.index("## Checks")]
+    rows = re.findall(r"^\| ([^|]+) \| ([^|]+) \|", table, flags=re.M)
+    return [(set(re.findall(r"`(\w+)`", first)), field.strip()) for first, field in rows]
+
+
+def test_deviation_table_names_every_model_and_seed_that_differs_from_the_source():
+    rows = _deviation_rows()
+    for name, source in _SOURCE_FIELDS.items():
+        recipe = load_recipe(CONFIGS[0].parent / f"{name}.json")
+        for field, value in source.items():
+            listed = any(name in recipes and f"`{field}`" == cell for recipes, cell in rows)
+            assert listed == (getattr(recipe, field) != value), (name, field, getattr(recipe, field), value)
+
+
+def test_recipes_doc_states_the_lr_arithmetic_it_claims():
+    """bert_base_8gpu's lr is NVIDIA's scaled by sqrt(batch ratio); NVIDIA's own two phases step by 1.5x for twice
+    the batch (not sqrt 2), which the doc says."""
+    nvidia, eight = (load_recipe(CONFIGS[0].parent / f"{n}.json") for n in ("bert_large", "bert_base_8gpu"))
+    for ours, theirs in zip(eight.phases, nvidia.phases, strict=True):
+        ratio = ours.global_batch_size / theirs.global_batch_size
+        assert ours.lr == pytest.approx(theirs.lr * ratio**0.5, rel=1e-4)
+    p1, p2 = nvidia.phases
+    assert (p1.lr / p2.lr, p1.global_batch_size / p2.global_batch_size) == (pytest.approx(1.5), 2)
+    text = " ".join((CONFIGS[0].parents[1] / "docs" / "recipes.md").read_text(encoding="utf-8").split())
+    assert "is 1.5x for twice the batch, not sqrt(2) = 1.414x" in text
+    assert "square-root rule for LAMB that NVIDIA's own lr implies" not in text
+    assert '"handoff": {"optimizer_step": "continue"}' in text  # the paper recipe's hand-off, as its file says
