@@ -17,8 +17,8 @@ from typing import Any
 from bert_ds.config import MODEL_PRESETS, BertConfig, model_preset
 from bert_ds.errors import BadInput
 
-__all__ = ["OptimizerConfig", "DataSource", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "HandoffConfig", "Recipe",
-           "load_recipe", "check_grad_accum_stage", "gradient_accumulation_steps", "resume_blockers"]
+__all__ = ["OptimizerConfig", "DataSource", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "HandoffConfig",
+           "Recipe", "load_recipe", "check_grad_accum_stage", "gradient_accumulation_steps", "resume_blockers"]
 
 _KERNELS = ("auto", "triton", "torch", "apex")
 _TRUST_RATIO_RULES = ("all", "decay_only")
@@ -68,10 +68,12 @@ class OptimizerConfig:
     trust_ratio: str = "all"
     """LAMB only: which tensors get the trust ratio ``||w|| / ||u||``. ``all``: every tensor ("NVLAMB"; apex
     ``FusedLAMB(use_nvlamb=True)``, timm ``Lamb(always_adapt=True)``). ``decay_only``: only tensors with weight decay;
-    biases and LayerNorm take plain ``lr * u`` steps (apex's default ``use_nvlamb=False``, which NVIDIA's BERT
-    ``run_pretraining.py`` uses; timm's default ``always_adapt=False``). Under ``all`` an attention key bias, whose
-    true gradient is 0 (softmax cancels it), still moves by ``lr * ||b||`` per step of rounding noise. The default
-    stays ``all`` because recipes saved before this field existed were trained that way."""
+    biases and LayerNorm take plain ``lr * u`` steps (``use_nvlamb=False``: the default of NVIDIA's
+    ``FusedLAMBAMP``, ``lamb_amp_opt/fused_lamb/fused_lamb.py``, which NVIDIA's BERT ``run_pretraining.py`` steps,
+    and of apex's ``FusedLAMB`` that its earlier versions used; timm's default ``always_adapt=False``). Under
+    ``all`` an attention key bias, whose true gradient is 0 (softmax cancels it), still moves by ``lr * ||b||`` per
+    step of rounding noise. The default stays ``all`` because recipes saved before this field existed were trained
+    that way."""
 
     def __post_init__(self) -> None:
         if self.name not in ("lamb", "adamw"):

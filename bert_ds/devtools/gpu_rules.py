@@ -265,7 +265,8 @@ RULES = {
                                     "Philox reference bit for bit, and its keep rate is within the 99.9% binomial "
                                     "bound (1 - p) +- 3.29 sqrt(p (1 - p) / n)",
     "kernels.<op>.<dtype>": "forward and every gradient against the fp32 twin on the same inputs: fp32 |d| <= 1e-4 "
-                            "+ 1e-4 |ref| elementwise; bf16 <= 2 eps normwise and <= 3 eps at the largest element (2x correct kernels' measured error)",
+                            "+ 1e-4 |ref| elementwise; bf16 <= 2 eps normwise and <= 3 eps at the largest element "
+                            "(2x correct kernels' measured error)",
     "golden.base.s128": "BERT-base, dropout off, same seed and batch, bf16: at every step |L_triton - L_fp32| <= "
                         "2 max|L_twins - L_fp32| + 1e-3",
     "speed.<op>": f"the backend auto picks is >= {SPEED_FLOOR}x the other's speed (forward + backward, same run)",
