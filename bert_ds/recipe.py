@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from bert_ds.config import MODEL_PRESETS, BertConfig, model_preset
+from bert_ds.errors import BadInput
 
-__all__ = ["OptimizerConfig", "DataSource", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "Recipe", "load_recipe",
-           "check_grad_accum_stage", "gradient_accumulation_steps", "resume_blockers"]
+__all__ = ["OptimizerConfig", "DataSource", "PhaseConfig", "DeepSpeedSection", "LoggingConfig", "HandoffConfig",
+           "Recipe", "load_recipe", "check_grad_accum_stage", "gradient_accumulation_steps", "resume_blockers"]
 
 _KERNELS = ("auto", "triton", "torch", "apex")
 _TRUST_RATIO_RULES = ("all", "decay_only")
@@ -28,6 +29,8 @@ _GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 _SCHEDULES = ("warmup_poly", "nvidia_poly", "composer_linear", "time_linear")
 """``phase.schedule`` values; the formulas are in :mod:`bert_ds.optim.schedule` (its ``SCHEDULES``)."""
 _DEFAULT_MASKED_LM_PROB = 0.15  # BERT paper §3.1
+_HANDOFF_STEPS = ("reset", "continue")
+"""``handoff.optimizer_step`` values."""
 
 
 def check_grad_accum_stage(grad_accum_dtype: str, zero_stage: int) -> None:
@@ -36,19 +39,19 @@ def check_grad_accum_stage(grad_accum_dtype: str, zero_stage: int) -> None:
     here (``tests/optim/test_grad_accum_bf16.py`` covers ZeRO 1/2). The recipe calls this for an explicit bf16, the
     engine for ``auto`` once it is resolved to bf16."""
     if grad_accum_dtype == "fp32" and zero_stage not in (1, 2):
-        raise ValueError(f"deepspeed.grad_accum_dtype='fp32' (the default) sums bf16 gradients in fp32 under ZeRO "
+        raise BadInput(f"deepspeed.grad_accum_dtype='fp32' (the default) sums bf16 gradients in fp32 under ZeRO "
                          f"stage 1 or 2 only, and deepspeed.zero_stage is {zero_stage}: set deepspeed.zero_stage to "
                          f"1 or 2, or deepspeed.grad_accum_dtype to 'bf16' to sum in bf16")
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+        raise BadInput(f"{owner}.{name} must be a positive integer, got {value!r}")
 
 
 def _non_negative_int(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{owner}.{name} must be a non-negative integer, got {value!r}")
+        raise BadInput(f"{owner}.{name} must be a non-negative integer, got {value!r}")
 
 
 @dataclass
@@ -65,31 +68,33 @@ class OptimizerConfig:
     trust_ratio: str = "all"
     """LAMB only: which tensors get the trust ratio ``||w|| / ||u||``. ``all``: every tensor ("NVLAMB"; apex
     ``FusedLAMB(use_nvlamb=True)``, timm ``Lamb(always_adapt=True)``). ``decay_only``: only tensors with weight decay;
-    biases and LayerNorm take plain ``lr * u`` steps (apex's default ``use_nvlamb=False``, which NVIDIA's BERT
-    ``run_pretraining.py`` uses; timm's default ``always_adapt=False``). Under ``all`` an attention key bias, whose
-    true gradient is 0 (softmax cancels it), still moves by ``lr * ||b||`` per step of rounding noise. The default
-    stays ``all`` because recipes saved before this field existed were trained that way."""
+    biases and LayerNorm take plain ``lr * u`` steps (``use_nvlamb=False``: the default of NVIDIA's
+    ``FusedLAMBAMP``, ``lamb_amp_opt/fused_lamb/fused_lamb.py``, which NVIDIA's BERT ``run_pretraining.py`` steps,
+    and of apex's ``FusedLAMB`` that its earlier versions used; timm's default ``always_adapt=False``). Under
+    ``all`` an attention key bias, whose true gradient is 0 (softmax cancels it), still moves by ``lr * ||b||`` per
+    step of rounding noise. The default stays ``all`` because recipes saved before this field existed were trained
+    that way."""
 
     def __post_init__(self) -> None:
         if self.name not in ("lamb", "adamw"):
-            raise ValueError(f"optimizer.name={self.name!r}: choose 'lamb' or 'adamw'")
+            raise BadInput(f"optimizer.name={self.name!r}: choose 'lamb' or 'adamw'")
         self.betas = tuple(self.betas)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optimizer.betas={list(self.betas)!r}: need two values in [0, 1)")
+            raise BadInput(f"optimizer.betas={list(self.betas)!r}: need two values in [0, 1)")
         if not self.eps > 0:
-            raise ValueError(f"optimizer.eps={self.eps!r} must be > 0")
+            raise BadInput(f"optimizer.eps={self.eps!r} must be > 0")
         if not self.weight_decay >= 0:
-            raise ValueError(f"optimizer.weight_decay={self.weight_decay!r} must be >= 0")
+            raise BadInput(f"optimizer.weight_decay={self.weight_decay!r} must be >= 0")
         if self.trust_clamp is not None:
             self.trust_clamp = tuple(self.trust_clamp)
             if len(self.trust_clamp) != 2 or not 0 <= self.trust_clamp[0] <= self.trust_clamp[1]:
-                raise ValueError(f"optimizer.trust_clamp={list(self.trust_clamp)!r}: need [min, max], 0 <= min <= max")
+                raise BadInput(f"optimizer.trust_clamp={list(self.trust_clamp)!r}: need [min, max], 0 <= min <= max")
             if self.name != "lamb":
-                raise ValueError("optimizer.trust_clamp is a LAMB setting; remove it for adamw")
+                raise BadInput("optimizer.trust_clamp is a LAMB setting; remove it for adamw")
         if self.trust_ratio not in _TRUST_RATIO_RULES:
-            raise ValueError(f"optimizer.trust_ratio={self.trust_ratio!r}: choose one of {_TRUST_RATIO_RULES}")
+            raise BadInput(f"optimizer.trust_ratio={self.trust_ratio!r}: choose one of {_TRUST_RATIO_RULES}")
         if self.name != "lamb" and self.trust_ratio != "all":
-            raise ValueError(f"optimizer.trust_ratio={self.trust_ratio!r} is a LAMB setting; remove it for adamw")
+            raise BadInput(f"optimizer.trust_ratio={self.trust_ratio!r} is a LAMB setting; remove it for adamw")
 
 
 @dataclass
@@ -110,15 +115,15 @@ def _data_source(value: Any, where: str) -> DataSource:
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"path", "weight"})
         if unknown or "path" not in value:
-            raise ValueError(f"{where} must be {{\"path\": DIR, \"weight\": W}}, got keys {sorted(value)}")
+            raise BadInput(f"{where} must be {{\"path\": DIR, \"weight\": W}}, got keys {sorted(value)}")
         value = DataSource(**value)
     if not isinstance(value, DataSource):
-        raise ValueError(f"{where} must be {{\"path\": DIR, \"weight\": W}}, got {value!r}")
+        raise BadInput(f"{where} must be {{\"path\": DIR, \"weight\": W}}, got {value!r}")
     if not isinstance(value.path, str) or not value.path:
-        raise ValueError(f"{where}.path={value.path!r} must name a shard directory")
+        raise BadInput(f"{where}.path={value.path!r} must name a shard directory")
     w = value.weight
     if w is not None and (isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0)):
-        raise ValueError(f"{where}.weight={w!r} must be a positive number")
+        raise BadInput(f"{where}.weight={w!r} must be a positive number")
     return DataSource(value.path, None if w is None else float(w))
 
 
@@ -183,26 +188,26 @@ class PhaseConfig:
         if self.schedule_steps is not None:
             _positive_int("phase", "schedule_steps", self.schedule_steps)
             if self.schedule_steps < self.steps:
-                raise ValueError(f"phase.schedule_steps={self.schedule_steps} is shorter than phase.steps={self.steps}")
+                raise BadInput(f"phase.schedule_steps={self.schedule_steps} is shorter than phase.steps={self.steps}")
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"phase.global_batch_size={self.global_batch_size} is not a multiple of "
+            raise BadInput(f"phase.global_batch_size={self.global_batch_size} is not a multiple of "
                              f"phase.micro_batch_size={self.micro_batch_size}")
         if not self.lr > 0:
-            raise ValueError(f"phase.lr={self.lr!r} must be > 0")
+            raise BadInput(f"phase.lr={self.lr!r} must be > 0")
         if not 0.0 <= self.warmup_fraction < 1.0:
-            raise ValueError(f"phase.warmup_fraction={self.warmup_fraction!r} must be in [0, 1)")
+            raise BadInput(f"phase.warmup_fraction={self.warmup_fraction!r} must be in [0, 1)")
         if not self.decay_power > 0:
-            raise ValueError(f"phase.decay_power={self.decay_power!r} must be > 0")
+            raise BadInput(f"phase.decay_power={self.decay_power!r} must be > 0")
         self._check_schedule()
         if self.max_predictions > self.seq_len:
-            raise ValueError(f"phase.max_predictions={self.max_predictions} exceeds phase.seq_len={self.seq_len}")
+            raise BadInput(f"phase.max_predictions={self.max_predictions} exceeds phase.seq_len={self.seq_len}")
         if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError(f"phase.masked_lm_prob={self.masked_lm_prob!r} must be in (0, 1)")
+            raise BadInput(f"phase.masked_lm_prob={self.masked_lm_prob!r} must be in (0, 1)")
         if not self.dynamic_masking and self.masked_lm_prob != _DEFAULT_MASKED_LM_PROB:
-            raise ValueError(f"phase.masked_lm_prob={self.masked_lm_prob!r} needs phase.dynamic_masking=true (static "
+            raise BadInput(f"phase.masked_lm_prob={self.masked_lm_prob!r} needs phase.dynamic_masking=true (static "
                              f"masks come with the shards)")
         if self.target_mlm_accuracy is not None and not 0.0 < self.target_mlm_accuracy <= 1.0:
-            raise ValueError(f"phase.target_mlm_accuracy={self.target_mlm_accuracy!r} must be in (0, 1]")
+            raise BadInput(f"phase.target_mlm_accuracy={self.target_mlm_accuracy!r} must be in (0, 1]")
         self._check_data()
 
     def _check_data(self) -> None:
@@ -210,44 +215,44 @@ class PhaseConfig:
         if self.data is None:
             return
         if not isinstance(self.data, list) or not self.data:
-            raise ValueError(f"phase.data={self.data!r} must be a non-empty list of {{\"path\": DIR, \"weight\": W}} "
+            raise BadInput(f"phase.data={self.data!r} must be a non-empty list of {{\"path\": DIR, \"weight\": W}} "
                              f"(or left out, for --data)")
         self.data = [_data_source(e, f"phase.data[{i}]") for i, e in enumerate(self.data)]
         if len(self.data) > 1:
             bare = [i for i, e in enumerate(self.data) if e.weight is None]
             if bare:
-                raise ValueError(f"phase.data[{bare[0]}] ({self.data[bare[0]].path!r}) has no weight; give every "
+                raise BadInput(f"phase.data[{bare[0]}] ({self.data[bare[0]].path!r}) has no weight; give every "
                                  f"source of a mix one")
         names = [Path(e.path).name or e.path for e in self.data]  # what logs and the loader state call a source
         for i, name in enumerate(names):
             if names.index(name) != i:
-                raise ValueError(f"phase.data[{i}].path={self.data[i].path!r}: name {name!r} is data"
+                raise BadInput(f"phase.data[{i}].path={self.data[i].path!r}: name {name!r} is data"
                                  f"[{names.index(name)}]'s too; each source needs its own directory name")
 
 
     def _check_schedule(self) -> None:
         if self.schedule not in _SCHEDULES:
-            raise ValueError(f"phase.schedule={self.schedule!r}: choose one of {_SCHEDULES}")
+            raise BadInput(f"phase.schedule={self.schedule!r}: choose one of {_SCHEDULES}")
         linear = self.schedule in ("composer_linear", "time_linear")
         if linear and self.decay_power != 1.0:
-            raise ValueError(f"phase.decay_power={self.decay_power!r}: phase.schedule={self.schedule!r} decays "
+            raise BadInput(f"phase.decay_power={self.decay_power!r}: phase.schedule={self.schedule!r} decays "
                              f"linearly; set decay_power to 1.0")
         frac = self.final_lr_fraction
         if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0.0 <= frac < 1.0:
-            raise ValueError(f"phase.final_lr_fraction={frac!r} must be a number in [0, 1)")
+            raise BadInput(f"phase.final_lr_fraction={frac!r} must be a number in [0, 1)")
         if frac and self.schedule != "composer_linear":
-            raise ValueError(f"phase.final_lr_fraction={frac!r} is a composer_linear setting; phase.schedule is "
+            raise BadInput(f"phase.final_lr_fraction={frac!r} is a composer_linear setting; phase.schedule is "
                              f"{self.schedule!r}")
         hours = self.budget_hours
         if self.schedule == "time_linear":
             if isinstance(hours, bool) or not isinstance(hours, int | float) or not 0 < hours < float("inf"):
-                raise ValueError(f"phase.budget_hours={hours!r}: phase.schedule='time_linear' needs a positive "
+                raise BadInput(f"phase.budget_hours={hours!r}: phase.schedule='time_linear' needs a positive "
                                  f"number of hours")
             if self.schedule_steps is not None:
-                raise ValueError(f"phase.schedule_steps={self.schedule_steps}: a time_linear schedule is measured "
+                raise BadInput(f"phase.schedule_steps={self.schedule_steps}: a time_linear schedule is measured "
                                  f"in hours (phase.budget_hours), not steps")
         elif hours is not None:
-            raise ValueError(f"phase.budget_hours={hours!r} is a time_linear setting; phase.schedule is "
+            raise BadInput(f"phase.budget_hours={hours!r} is a time_linear setting; phase.schedule is "
                              f"{self.schedule!r}")
 
 
@@ -290,30 +295,30 @@ class DeepSpeedSection:
     def __post_init__(self) -> None:
         for name in ("overlap_comm", "contiguous_gradients"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"deepspeed.{name}={getattr(self, name)!r} must be true or false")
+                raise BadInput(f"deepspeed.{name}={getattr(self, name)!r} must be true or false")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             _positive_int("deepspeed", name, getattr(self, name))
         timeout = self.process_group_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                     or not 0 < timeout < float("inf")):
-            raise ValueError(f"deepspeed.process_group_timeout_s={timeout!r} must be a positive number of seconds "
+            raise BadInput(f"deepspeed.process_group_timeout_s={timeout!r} must be a positive number of seconds "
                              f"(or null for DeepSpeed's default)")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"deepspeed.zero_stage={self.zero_stage!r}: choose 0, 1, 2 or 3")
+            raise BadInput(f"deepspeed.zero_stage={self.zero_stage!r}: choose 0, 1, 2 or 3")
         if self.precision not in _PRECISIONS:
-            raise ValueError(f"deepspeed.precision={self.precision!r}: choose one of {_PRECISIONS}")
+            raise BadInput(f"deepspeed.precision={self.precision!r}: choose one of {_PRECISIONS}")
         if self.grad_accum_dtype not in _GRAD_ACCUM_DTYPES:
-            raise ValueError(f"deepspeed.grad_accum_dtype={self.grad_accum_dtype!r}: choose one of "
+            raise BadInput(f"deepspeed.grad_accum_dtype={self.grad_accum_dtype!r}: choose one of "
                              f"{_GRAD_ACCUM_DTYPES}")
         if self.grad_accum_dtype == "bf16" and self.precision in ("fp32", "fp16"):
-            raise ValueError(f"deepspeed.grad_accum_dtype='bf16' applies to bf16 runs only; deepspeed.precision is "
+            raise BadInput(f"deepspeed.grad_accum_dtype='bf16' applies to bf16 runs only; deepspeed.precision is "
                              f"{self.precision!r} (remove the field)")
         if self.precision == "bf16":
             check_grad_accum_stage(self.grad_accum_dtype, self.zero_stage)
         if not self.loss_scale >= 0:
-            raise ValueError(f"deepspeed.loss_scale={self.loss_scale!r} must be >= 0 (0 = dynamic)")
+            raise BadInput(f"deepspeed.loss_scale={self.loss_scale!r} must be >= 0 (0 = dynamic)")
         if not self.gradient_clipping >= 0:
-            raise ValueError(f"deepspeed.gradient_clipping={self.gradient_clipping!r} must be >= 0")
+            raise BadInput(f"deepspeed.gradient_clipping={self.gradient_clipping!r} must be >= 0")
         for name in ("initial_scale_power", "loss_scale_window", "hysteresis"):
             _positive_int("deepspeed", name, getattr(self, name))
 
@@ -335,6 +340,23 @@ class LoggingConfig:
 
 
 @dataclass
+class HandoffConfig:
+    """How phase 2 takes over phase 1's optimizer (``handoff``). The weights and the Adam/LAMB moments always carry
+    over; the schedule is always the new phase's."""
+
+    optimizer_step: str = "reset"
+    """``reset``: the optimizer's step count restarts at 0, so bias correction starts again over the carried moments
+    (NVIDIA's ``run_pretraining.py --phase2``; the default). Adam's first updates are then scaled by
+    sqrt(1 - b2^t) / (1 - b1^t) against a continued count: 0.32 at t = 1, 0.15-0.32 over the first 100 updates at
+    betas 0.9 / 0.999 (docs/recipes.md). ``continue``: the count goes on from phase 1's, as one optimizer over both
+    phases would (Google's BERT trains both lengths with one optimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer_step not in _HANDOFF_STEPS:
+            raise BadInput(f"handoff.optimizer_step={self.optimizer_step!r}: choose one of {_HANDOFF_STEPS}")
+
+
+@dataclass
 class Recipe:
     model: str = "tiny"
     """Model preset (``tiny``, ``base``, ``large``) from :data:`bert_ds.config.MODEL_PRESETS`."""
@@ -352,29 +374,40 @@ class Recipe:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    """Phase 1 -> phase 2 (:class:`HandoffConfig`); a one-phase recipe has no hand-off and must keep the default."""
     name: str = ""
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_PRESETS:
-            raise ValueError(f"model={self.model!r}: choose one of {sorted(MODEL_PRESETS)}")
+            raise BadInput(f"model={self.model!r}: choose one of {sorted(MODEL_PRESETS)}")
         if self.kernels not in _KERNELS:
-            raise ValueError(f"kernels={self.kernels!r}: choose one of {_KERNELS}")
+            raise BadInput(f"kernels={self.kernels!r}: choose one of {_KERNELS}")
         if not isinstance(self.compile, bool):
-            raise ValueError(f"compile={self.compile!r}: must be true or false")
+            raise BadInput(f"compile={self.compile!r}: must be true or false")
+        if self.kernels == "triton" and self.deepspeed.precision == "fp32":
+            # The same refusal the registry makes at the first attention call on a GPU
+            # (bert_ds.kernels.registry.FP32_ATTENTION_REFUSED), made here before any rank starts.
+            raise BadInput("kernels='triton' with deepspeed.precision='fp32': the Triton attention kernels refuse "
+                           "fp32 tensors (IEEE fp32 products, no tensor cores, register spills); set "
+                           "deepspeed.precision to 'bf16' or 'fp16', or kernels to 'auto' or 'torch'")
         _non_negative_int("recipe", "seed", self.seed)
         if not self.phases:
-            raise ValueError("phases: a recipe needs at least one phase")
+            raise BadInput("phases: a recipe needs at least one phase")
         if len(self.phases) > 2:
-            raise ValueError(f"phases: at most 2 phases (seq 128 then 512), got {len(self.phases)}")
+            raise BadInput(f"phases: at most 2 phases (seq 128 then 512), got {len(self.phases)}")
+        if len(self.phases) == 1 and self.handoff != HandoffConfig():
+            raise BadInput(f"handoff.optimizer_step={self.handoff.optimizer_step!r}: a one-phase recipe has no "
+                           f"hand-off; remove the handoff section")
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage == 3:
-            raise ValueError("deepspeed.zero_stage=3: ZeroAwareLamb is exact under ZeRO stage 0/1/2 only "
+            raise BadInput("deepspeed.zero_stage=3: ZeroAwareLamb is exact under ZeRO stage 0/1/2 only "
                              "(per-tensor trust ratios across stage-3 sub-groups are not implemented); use 1 or 2")
         config = self.model_config(vocab_size=30522)  # raises on bad model_overrides, naming the field
         for i, phase in enumerate(self.phases):
             if phase.seq_len > config.max_position_embeddings:
-                raise ValueError(f"phases[{i}].seq_len={phase.seq_len} exceeds max_position_embeddings")
+                raise BadInput(f"phases[{i}].seq_len={phase.seq_len} exceeds max_position_embeddings")
             if phase.schedule == "time_linear" and i != len(self.phases) - 1:
-                raise ValueError(f"phases[{i}].schedule='time_linear' must be the last phase: it ends by time, so its "
+                raise BadInput(f"phases[{i}].schedule='time_linear' must be the last phase: it ends by time, so its "
                                  f"steps are only a cap and the next phase's step numbers would count from it")
 
     def model_config(self, vocab_size: int) -> BertConfig:
@@ -382,7 +415,7 @@ class Recipe:
         try:
             return model_preset(self.model, **overrides)
         except TypeError as exc:
-            raise ValueError(f"model_overrides: {exc}") from exc
+            raise BadInput(f"model_overrides: {exc}") from exc
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -396,17 +429,18 @@ class Recipe:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-_NESTED = {"optimizer": OptimizerConfig, "deepspeed": DeepSpeedSection, "logging": LoggingConfig}
+_NESTED = {"optimizer": OptimizerConfig, "deepspeed": DeepSpeedSection, "logging": LoggingConfig,
+           "handoff": HandoffConfig}
 
 
 def _build(cls, data: Any, source: str, where: str):
     label = where or "recipe"
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: {label} must be a JSON object, got {type(data).__name__}")
+        raise BadInput(f"{source}: {label} must be a JSON object, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"{source}: unknown key(s) {[f'{where}.{k}' if where else k for k in unknown]} "
+        raise BadInput(f"{source}: unknown key(s) {[f'{where}.{k}' if where else k for k in unknown]} "
                          f"(known: {sorted(known)})")
     kwargs = dict(data)
     if cls is Recipe:
@@ -415,17 +449,17 @@ def _build(cls, data: Any, source: str, where: str):
                 kwargs[key] = _build(sub, kwargs[key], source, key)
         if "phases" in kwargs:
             if not isinstance(kwargs["phases"], list):
-                raise ValueError(f"{source}: phases must be a list")
+                raise BadInput(f"{source}: phases must be a list")
             kwargs["phases"] = [_build(PhaseConfig, p, source, f"phases[{i}]") for i, p in enumerate(kwargs["phases"])]
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a missing required field
-        raise ValueError(f"{source}: {label}: {exc}") from exc
+        raise BadInput(f"{source}: {label}: {exc}") from exc
     except ValueError as exc:
         message = str(exc)
         if cls is PhaseConfig and message.startswith("phase."):  # name the phase: phases[1].lr=...
             message = where + message[len("phase"):]
-        raise ValueError(f"{source}: {message}") from exc
+        raise BadInput(f"{source}: {message}") from exc
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -433,7 +467,7 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read recipe: {exc}") from exc
+        raise BadInput(f"{path}: cannot read recipe: {exc}") from exc
     recipe = Recipe.from_dict(data, source=str(path))
     if not recipe.name:
         recipe.name = path.stem
@@ -445,10 +479,10 @@ def load_recipe(path: str | Path) -> Recipe:
 
 
 def gradient_accumulation_steps(phase: PhaseConfig, world_size: int, where: str = "phase") -> int:
-    """global = micro * accumulation * world size, or a ValueError naming the fields (before any compute)."""
+    """global = micro * accumulation * world size, or a BadInput naming the fields (before any compute)."""
     per_step = phase.micro_batch_size * world_size
     if phase.global_batch_size % per_step:
-        raise ValueError(f"{where}.global_batch_size={phase.global_batch_size} is not divisible by "
+        raise BadInput(f"{where}.global_batch_size={phase.global_batch_size} is not divisible by "
                          f"{where}.micro_batch_size={phase.micro_batch_size} x world size {world_size}")
     return phase.global_batch_size // per_step
 
@@ -466,6 +500,8 @@ _PHASE_ADDED_DEFAULTS = {"masked_lm_prob": _DEFAULT_MASKED_LM_PROB, "shuffle_win
                          "schedule": "warmup_poly", "final_lr_fraction": 0.0, "budget_hours": None}
 # Optimizer fields added later: recipes saved before ``trust_ratio`` existed applied the trust ratio to every tensor.
 _OPTIMIZER_ADDED_DEFAULTS = {"trust_ratio": "all"}
+# Recipes saved before ``handoff`` existed restarted the optimizer's step count at the hand-off.
+_HANDOFF_ADDED_DEFAULTS = {"optimizer_step": "reset"}
 
 
 def resume_blockers(saved: dict, current: Recipe, saved_precision: str | None = None) -> list[str]:
@@ -493,6 +529,8 @@ def resume_blockers(saved: dict, current: Recipe, saved_precision: str | None = 
                                      for ph in saved["phases"]]}
     if isinstance(saved.get("optimizer"), dict):
         saved = {**saved, "optimizer": {**_OPTIMIZER_ADDED_DEFAULTS, **saved["optimizer"]}}
+    if isinstance(saved.get("handoff", {}), dict):
+        saved = {**saved, "handoff": {**_HANDOFF_ADDED_DEFAULTS, **saved.get("handoff", {})}}
     ds = saved.get("deepspeed")
     if isinstance(ds, dict) and "grad_accum_dtype" not in ds:
         # Written before the field existed: a bf16 run summed in bf16 then; under fp32 and fp16 the field changes

@@ -258,6 +258,8 @@ def _run_with_recipe_kernels(ds_checkpoint: Path, tmp_path: Path, kernels: str |
     if kernels is not None:
         recipe = json.loads((run / "recipe.json").read_text())
         recipe["kernels"] = kernels
+        if kernels == "triton":  # triton with fp32 is refused when the recipe loads; this checks the device refusal
+            recipe["deepspeed"]["precision"] = "bf16"
         (run / "recipe.json").write_text(json.dumps(recipe))
     return subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), "--checkpoint",
                            str(run / "checkpoints"), "--data", str(ds_checkpoint / "eval"), "--batch-size", "4",

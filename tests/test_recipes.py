@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,111 @@ def test_compile_is_off_in_every_shipped_recipe_and_free_on_resume():
     assert resume_blockers(saved, Recipe.from_dict(data)) == []
     del saved["compile"]
     assert resume_blockers(saved, Recipe.from_dict(data)) == []
+
+
+@pytest.mark.parametrize("precision, refused", [("fp32", True), ("bf16", False), ("fp16", False), ("auto", False)])
+def test_explicit_triton_with_fp32_is_refused_at_validation(tmp_path, precision, refused):
+    """The Triton attention kernels refuse fp32 tensors on a GPU; a recipe asking for both is refused when it is
+    loaded (exit 2, before any rank starts), naming both fields, not at the first attention call of a started run.
+    ``auto`` resolves to bf16 on a GPU; on CPU ranks Triton needs the interpreter either way."""
+    from bert_ds.errors import BadInput
+
+    data = _tiny()
+    data["kernels"], data["deepspeed"]["precision"] = "triton", precision
+    path = _write(tmp_path, data)
+    if not refused:
+        assert load_recipe(path).kernels == "triton"
+        return
+    with pytest.raises(BadInput) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert str(path) in message and "kernels='triton'" in message and "deepspeed.precision='fp32'" in message
+    data["kernels"] = "auto"  # the same recipe with the registry choosing (SDPA for fp32 attention) loads
+    assert load_recipe(_write(tmp_path, data)).deepspeed.precision == "fp32"
+
+
+def test_recipe_refusals_are_typed_bad_input(tmp_path):
+    """Every refusal of a recipe is the typed bad input (exit 2), not a bare ValueError (a bug, exit 1)."""
+    from bert_ds.errors import BadInput
+    from bert_ds.exit_codes import ExitCode
+
+    data = _tiny()
+    data["phases"][0]["lr"] = -1.0
+    with pytest.raises(BadInput, match=r"phases\[0\]\.lr=-1\.0") as err:
+        load_recipe(_write(tmp_path, data))
+    assert err.value.exit_code == ExitCode.BAD_INPUT
+    with pytest.raises(BadInput, match="global_batch_size=16 is not divisible"):
+        gradient_accumulation_steps(load_recipe(CONFIGS[0].parent / "tiny_cpu.json").phases[0], 3)
+
+
+@pytest.mark.parametrize("handoff, message", [
+    ({"optimizer_step": "restart"}, "handoff.optimizer_step='restart'"),
+    ({"step": "continue"}, "handoff.step"),
+])
+def test_handoff_is_validated(tmp_path, handoff, message):
+    data = _tiny()
+    data["handoff"] = handoff
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_recipe(_write(tmp_path, data))
+
+
+def test_one_phase_recipe_has_no_handoff(tmp_path):
+    data = _tiny()
+    data["phases"] = data["phases"][:1]
+    data["handoff"] = {"optimizer_step": "continue"}
+    with pytest.raises(ValueError, match="one-phase recipe has no hand-off"):
+        load_recipe(_write(tmp_path, data))
+
+
+def test_handoff_step_blocks_resume_and_old_checkpoints_read_as_reset():
+    """The step count changes phase 2's numbers, so it is not free on resume; a recipe saved before the field
+    existed restarted the count (``reset``)."""
+    paper = load_recipe(CONFIGS[0].parent / "bert_base_paper.json")
+    saved = json.loads(json.dumps(paper.to_dict()))
+    assert resume_blockers(saved, paper) == []
+    del saved["handoff"]
+    assert resume_blockers(saved, paper) == ["handoff.optimizer_step"]
+    tiny = load_recipe(CONFIGS[0].parent / "tiny_cpu.json")
+    old = json.loads(json.dumps(tiny.to_dict()))
+    del old["handoff"]
+    assert resume_blockers(old, tiny) == []
+
+
+# What each GPU recipe's source sets for the fields the deviation table must name when ours differ: the model
+# (NVIDIA's run_pretraining.sh: bert_configs/large.json) and the seed (NVIDIA's run_pretraining.sh 12439, MosaicBERT's
+# yaml 17, academic-budget-bert's --seed default 42).
+_SOURCE_FIELDS = {"bert_base": {"model": "large", "seed": 12439}, "bert_large": {"model": "large", "seed": 12439},
+                  "bert_base_8gpu": {"model": "large", "seed": 12439}, "bert_base_mosaic": {"seed": 17},
+                  "bert_large_24h": {"model": "large", "seed": 42}}
+
+
+def _deviation_rows() -> list[tuple[set[str], str]]:
+    """(recipes named in the first cell, the Field cell) of every row of docs/recipes.md's deviation table."""
+    text = (CONFIGS[0].parents[1] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    table = text[text.index("## Deviations from the sources"):text.index("## Checks")]
+    rows = re.findall(r"^\| ([^|]+) \| ([^|]+) \|", table, flags=re.M)
+    return [(set(re.findall(r"`(\w+)`", first)), field.strip()) for first, field in rows]
+
+
+def test_deviation_table_names_every_model_and_seed_that_differs_from_the_source():
+    rows = _deviation_rows()
+    for name, source in _SOURCE_FIELDS.items():
+        recipe = load_recipe(CONFIGS[0].parent / f"{name}.json")
+        for field, value in source.items():
+            listed = any(name in recipes and f"`{field}`" == cell for recipes, cell in rows)
+            assert listed == (getattr(recipe, field) != value), (name, field, getattr(recipe, field), value)
+
+
+def test_recipes_doc_states_the_lr_arithmetic_it_claims():
+    """bert_base_8gpu's lr is NVIDIA's scaled by sqrt(batch ratio); NVIDIA's own two phases step by 1.5x for twice
+    the batch (not sqrt 2), which the doc says."""
+    nvidia, eight = (load_recipe(CONFIGS[0].parent / f"{n}.json") for n in ("bert_large", "bert_base_8gpu"))
+    for ours, theirs in zip(eight.phases, nvidia.phases, strict=True):
+        ratio = ours.global_batch_size / theirs.global_batch_size
+        assert ours.lr == pytest.approx(theirs.lr * ratio**0.5, rel=1e-4)
+    p1, p2 = nvidia.phases
+    assert (p1.lr / p2.lr, p1.global_batch_size / p2.global_batch_size) == (pytest.approx(1.5), 2)
+    text = " ".join((CONFIGS[0].parents[1] / "docs" / "recipes.md").read_text(encoding="utf-8").split())
+    assert "is 1.5x for twice the batch, not sqrt(2) = 1.414x" in text
+    assert "square-root rule for LAMB that NVIDIA's own lr implies" not in text
+    assert '"handoff": {"optimizer_step": "continue"}' in text  # the paper recipe's hand-off, as its file says

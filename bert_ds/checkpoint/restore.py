@@ -82,8 +82,9 @@ def _load_engine(engine, ckpt_dir: Path, tag: str, saved_world: int, world: int)
 @dataclass(frozen=True)
 class Handoff:
     """A phase starting from the previous phase's final checkpoint: its weights (before the engine is built), then
-    its optimizer moments with the step count reset to 0 (after). The schedule is the new phase's; this is what
-    NVIDIA's ``run_pretraining.py --phase2`` does (see :mod:`bert_ds.runtime.pretrain`)."""
+    its optimizer moments (after), with the step count reset to 0 (the recipe's ``handoff.optimizer_step``
+    ``reset``: what NVIDIA's ``run_pretraining.py --phase2`` does, see :mod:`bert_ds.runtime.pretrain`) or continued
+    (``continue``: one optimizer over both phases). The schedule is the new phase's either way."""
 
     ckpt_dir: Path
     tag: str
@@ -92,8 +93,12 @@ class Handoff:
     def weights(self) -> dict[str, torch.Tensor]:
         return consolidated_state_dict(self.ckpt_dir, self.tag)
 
-    def load_moments(self, engine) -> None:
-        """The optimizer state of the tag (Adam/LAMB moments), re-cut for this rank count, with ``step`` reset."""
+    def load_moments(self, engine, optimizer_step: str = "reset") -> None:
+        """The optimizer state of the tag (Adam/LAMB moments), re-cut for this rank count; ``optimizer_step``
+        ``reset`` sets its ``step`` to 0 (bias correction starts again over the carried moments), ``continue``
+        keeps the count the tag saved (:class:`bert_ds.recipe.HandoffConfig`)."""
+        if optimizer_step not in ("reset", "continue"):
+            raise ValueError(f"load_moments: optimizer_step must be 'reset' or 'continue', got {optimizer_step!r}")
         tag_dir = self.ckpt_dir / self.tag
         if engine.zero_optimization_stage() == 0:
             optimizer = engine.optimizer
@@ -106,6 +111,8 @@ class Handoff:
             saved = _zero_partitions(tag_dir, int(self.run_state["world_size"]))
             client = recut_zero_partitions(engine.optimizer, saved, weights=False)
             states = [client.state[group["params"][0]] for group in client.param_groups]
+        if optimizer_step == "continue":
+            return
         for state in states:
             if "step" in state:
                 state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0

@@ -601,6 +601,8 @@ def _aot_sass_check() -> tuple[bool, dict]:
         "reg": r.reg, "stack": r.stack, "local": r.local, "loads_by_bits": r.loads, "stores_by_bits": r.stores,
         "tensor_core_ops": r.tensor_core_ops, "shapes": list(r.shapes), "problems": list(r.problems)} for r in rows}
     problems = [f"{k}: {p}" for k, v in details.items() if isinstance(v, dict) for p in v["problems"]]
+    if not rows:  # nothing checked is not a pass: the recipes' launches gave no build
+        problems = ["no AOT build to check (the shipped recipes' launches produced none)"]
     if problems:
         details["reason"] = "; ".join(problems)
     return not problems, details
@@ -636,7 +638,8 @@ def record_jit_compiles() -> Iterator[list[tuple]]:
 
 
 def jit_matches_aot(compiled: list[tuple], target) -> tuple[bool, dict]:
-    """Every JIT compile of a kernel that has an AOT entry must be one of the AOT builds for ``target``."""
+    """Every JIT compile must be one of the AOT builds for ``target``: a compile of a kernel the AOT report has no
+    build of at all fails as well as one whose binary differs, each named."""
     builds = _aot_builds([target])
     known = {_spec_key(b.kernel, b.spec.signature, b.spec.constexprs, b.spec.attrs, b.spec.options["num_warps"],
                        b.spec.options["num_stages"]): b for b in builds}
@@ -651,12 +654,18 @@ def jit_matches_aot(compiled: list[tuple], target) -> tuple[bool, dict]:
             missing.append({"kernel": key[0], "signature": dict(key[1]), "constexprs": key[2], "attrs": key[3]})
     details = {"target": f"sm_{target.arch}", "jit_compiles": len(compiled), "matched_aot_builds": sorted(matched),
                "not_built_ahead_of_time": missing, "kernels_without_aot_entry": sorted(other)}
+    reasons = []
     if missing:
-        details["reason"] = f"{len(missing)} JIT compile(s) differ from every AOT build (the AOT report checks " \
-                            "another binary than the one that runs)"
-    elif not compiled:
-        details["reason"] = "the JIT compiled nothing (kernels already in memory?)"
-    return bool(compiled) and not missing, details
+        reasons.append(f"{len(missing)} JIT compile(s) differ from every AOT build (the AOT report checks another "
+                       f"binary than the one that runs)")
+    if other:
+        reasons.append(f"the JIT compiled {sorted(other)}, which no AOT build covers (the AOT report never checks "
+                       f"them)")
+    if not compiled:
+        reasons.append("the JIT compiled nothing (kernels already in memory?)")
+    if reasons:
+        details["reason"] = "; ".join(reasons)
+    return not reasons, details
 
 
 # ---------------------------------------------------------------------------------------------- orchestration

@@ -82,12 +82,18 @@ def keep_rate_rule(mask: torch.Tensor, p: float) -> tuple[bool, dict]:
 
 
 FP32_TOLERANCE = (1e-4, 1e-4)  # atol, rtol: as tests/kernels
-BF16_NORM_EPS, BF16_PEAK_EPS = 10.0, 16.0  # as tests/helpers/kernels.py: measured <= 0.9 / 1.35 eps on correct code
+BF16_NORM_EPS, BF16_PEAK_EPS = 2.0, 3.0
+"""Low-precision bounds in units of the dtype's eps, normwise and at the largest element: 2x the largest error of
+correct kernels, rounded up. Measured: 0.354 / 0.63 eps on one H100 (gpu-check, full shapes, every bf16 tensor:
+docs/measurements/gpu_check_h100_2026-11-27.json), 0.80 / 1.02 eps with ``TRITON_INTERPRET=1`` at gpu-check's small
+shapes, <= 0.9 / 1.35 eps over tests/kernels' bf16/fp16 cases (tests/helpers/kernels.py). A systematic gain error of
+g is g / eps normwise: 5% is 6.4 bf16 eps (3x the bound), 2% is 2.6; 1% (1.3 eps) is below bf16's resolution and
+left to the fp32 items (within 1e-4)."""
 
 
 def twin_rule(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[bool, dict]:
     """A kernel output against the fp32 twin on the same inputs: fp32 elementwise |d| <= atol + rtol |ref|; bf16/fp16
-    normwise ||d|| / ||ref|| <= 10 eps and max |d| / max |ref| <= 16 eps (eps of the dtype)."""
+    normwise ||d|| / ||ref|| <= 2 eps and max |d| / max |ref| <= 3 eps (eps of the dtype; :data:`BF16_NORM_EPS`)."""
     got_f, ref_f = got.detach().float(), ref.detach().float()
     err = (got_f - ref_f).abs()
     finite = bool(torch.isfinite(got_f).all())
@@ -259,7 +265,8 @@ RULES = {
                                     "Philox reference bit for bit, and its keep rate is within the 99.9% binomial "
                                     "bound (1 - p) +- 3.29 sqrt(p (1 - p) / n)",
     "kernels.<op>.<dtype>": "forward and every gradient against the fp32 twin on the same inputs: fp32 |d| <= 1e-4 "
-                            "+ 1e-4 |ref| elementwise; bf16 <= 10 eps normwise and <= 16 eps at the largest element",
+                            "+ 1e-4 |ref| elementwise; bf16 <= 2 eps normwise and <= 3 eps at the largest element "
+                            "(2x correct kernels' measured error)",
     "golden.base.s128": "BERT-base, dropout off, same seed and batch, bf16: at every step |L_triton - L_fp32| <= "
                         "2 max|L_twins - L_fp32| + 1e-3",
     "speed.<op>": f"the backend auto picks is >= {SPEED_FLOOR}x the other's speed (forward + backward, same run)",

@@ -8,7 +8,8 @@ Per tensor ``w`` with (already clipped) gradient ``g``::
 
 ``trust_ratio`` picks which tensors get ``r`` (per param group, so per weight-decay class): ``"all"`` (NVLAMB; apex
 ``FusedLAMB(use_nvlamb=True)``, timm ``Lamb(always_adapt=True)``) or ``"decay_only"``, where groups with weight
-decay 0 (biases, LayerNorm) take ``r = 1`` (apex's default ``use_nvlamb=False``, used by NVIDIA's BERT recipe; timm's
+decay 0 (biases, LayerNorm) take ``r = 1`` (``use_nvlamb=False``, the default of apex's ``FusedLAMB`` and of
+NVIDIA's ``FusedLAMBAMP`` that NVIDIA's BERT recipe steps, ``lamb_amp_opt/fused_lamb/fused_lamb.py``; timm's
 default). Under ``"all"`` a tensor whose true gradient is 0, such as an attention key bias (softmax cancels it), has
 an update ``u`` of pure rounding noise that ``r`` scales up to a step of ``lr * ||w||`` every step.
 

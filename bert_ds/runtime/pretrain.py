@@ -5,14 +5,17 @@
     python -m bert_ds.runtime.pretrain ...      (one process, no launcher: a 1-rank gloo/nccl group is set up here)
 
 Phase hand-off. Phase 2 starts from phase 1's final weights *and* its optimizer moments (LAMB's ``exp_avg`` and
-``exp_avg_sq``), with the step count reset to 0 and phase 2's own warm-up + decay schedule. This is what NVIDIA
-DeepLearningExamples does (``run_pretraining.py --phase2`` without ``--resume_phase2`` loads phase 1's optimizer state
-dict but zeroes each group's ``step`` and resets the lr, and starts a new ``PolyWarmUpScheduler``; the fp16 grad
-scaler starts fresh). Carrying the moments keeps the per-parameter gradient statistics of 7,038 steps instead of
-re-estimating them from noise at the start of the short phase 2; resetting the step restarts bias correction, which
-rescales the carried moments but does not damp the first updates: LAMB's unclamped trust ratio makes every update's
-norm lr * ||w|| per tensor, so phase 2's warm-up alone sets their size. The hand-off is the same code in
-one invocation (``--phase all``) and when resuming exactly at the boundary, so both give identical results.
+``exp_avg_sq``), with the step count reset to 0 (by default) and phase 2's own warm-up + decay schedule. This is
+what NVIDIA DeepLearningExamples does (``run_pretraining.py --phase2`` without ``--resume_phase2`` loads phase 1's
+optimizer state dict but zeroes each group's ``step`` and resets the lr, and starts a new ``PolyWarmUpScheduler``;
+the fp16 grad scaler starts fresh). Carrying the moments keeps the per-parameter gradient statistics of 7,038 steps
+instead of re-estimating them from noise at the start of the short phase 2; resetting the step restarts bias
+correction, which rescales the carried moments but does not damp the first updates: LAMB's unclamped trust ratio makes
+every update's norm lr * ||w|| per tensor, so phase 2's warm-up alone sets their size. Adam has no trust ratio:
+there the restart scales phase 2's first updates by sqrt(1 - b2^t) / (1 - b1^t) (0.15-0.32 over the first 100), so
+the paper recipe, one optimizer over both phases as in Google's BERT, continues the count instead (the recipe's
+``handoff.optimizer_step``, :class:`bert_ds.recipe.HandoffConfig`). The hand-off is the same code in one invocation
+(``--phase all``) and when resuming exactly at the boundary, so both give identical results.
 
 Resume and the run directory. Every check runs in pre-flight (:mod:`bert_ds.runtime.preflight`) before this module
 takes the run's lock or writes anything under ``--output``: the recipe, the tokenizer's vocabulary (sha256, size) and

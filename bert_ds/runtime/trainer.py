@@ -205,14 +205,14 @@ def _build_model_and_engine(plan: RunPlan, p: int, start: StartPoint):
     handoff = ckpt.open_handoff(plan.ckpt_dir, start.tag, p) if start.handoff else None
     state_dict = None
     if handoff is not None:
-        log.info("phase %d starts from %s: weights and optimizer moments, step count 0, new schedule", p + 1,
-                 start.tag)
+        log.info("phase %d starts from %s: weights and optimizer moments, step count %s, new schedule", p + 1,
+                 start.tag, "continued" if plan.recipe.handoff.optimizer_step == "continue" else "0")
         state_dict = handoff.weights()
     init_hf = plan.args.init_from_hf if start.tag is None else None  # a fresh start of the first phase run
     model = build_model(plan.recipe, plan.model_config, init_from_hf=init_hf, state_dict=state_dict)
     te = build_engine(plan.recipe, p, model, plan.world_size)
     if handoff is not None:
-        handoff.load_moments(te.engine)
+        handoff.load_moments(te.engine, plan.recipe.handoff.optimizer_step)
     return te
 
 

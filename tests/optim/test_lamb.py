@@ -245,7 +245,8 @@ def test_recipe_trust_ratio_option():
 
 @pytest.mark.parametrize("name", ["bert_large", "bert_base", "tiny_cpu"])
 def test_shipped_recipes_use_nvidia_convention(name):
-    """NVIDIA's BERT recipe steps apex FusedLAMB with its default use_nvlamb=False: no trust ratio for wd-0 tensors."""
+    """NVIDIA's BERT recipe steps its FusedLAMBAMP (earlier apex FusedLAMB) with the default use_nvlamb=False: no
+    trust ratio for wd-0 tensors."""
     from pathlib import Path
 
     from bert_ds.recipe import load_recipe
