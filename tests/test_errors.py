@@ -29,7 +29,7 @@ def _raise(exc: BaseException):
     (StepFailed("a worker died"), 1), (OSError(errno.ENOSPC, "No space left on device"), 74),
     (OSError(errno.EDQUOT, "Disk quota exceeded"), 74), (OSError(errno.EIO, "Input/output error"), 74),
     (FileNotFoundError(errno.ENOENT, "No such file or directory", "x"), 2), (PermissionError(errno.EACCES, "no"), 2),
-    (ValueError("seq_len=7 must be >= 8"), 2)])
+    (BadInput("seq_len=7 must be >= 8"), 2)])
 def test_an_error_is_one_line_and_its_code(capsys, exc, code):
     assert run_main("bert-ds-x", _raise, exc) == code == exit_code_of(exc)
     err = capsys.readouterr().err
@@ -44,9 +44,12 @@ def test_one_line_per_problem_the_bare_form_and_success(capsys):
     assert run_main("bert-ds-x", lambda: None) == 0 and run_main("bert-ds-x", lambda: 3) == 3
 
 
-def test_a_bug_keeps_its_traceback(capsys):
-    with pytest.raises(KeyError):
-        run_main("bert-ds-x", _raise, KeyError("step"))
+@pytest.mark.parametrize("exc", [KeyError("step"), ValueError("zip() argument 2 is shorter than argument 1")])
+def test_a_bug_keeps_its_traceback(capsys, exc):
+    """A plain ``ValueError`` is a bug like any other untyped exception: bad input is raised as ``BadInput``."""
+    assert exit_code_of(exc) is None
+    with pytest.raises(type(exc)):
+        run_main("bert-ds-x", _raise, exc)
     assert capsys.readouterr().err == ""
 
 

@@ -147,9 +147,9 @@ class ShardReader:
     def __init__(self, data_dir: str | Path, *, verify: str = "size", index: ShardIndex | None = None,
                  max_open_shards: int = 32):
         if verify not in VERIFY_MODES:
-            raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+            raise BadInput(f"verify={verify!r}: expected one of {VERIFY_MODES}")
         if max_open_shards <= 0:
-            raise ValueError(f"max_open_shards={max_open_shards}: must be positive")
+            raise BadInput(f"max_open_shards={max_open_shards}: must be positive")
         self.max_open_shards = max_open_shards
         self.data_dir = Path(data_dir)
         self.verify = verify
@@ -337,7 +337,7 @@ def verify_shard_set(directory: str | Path, level: str = "headers") -> VerifyRep
     headers and 8 bytes per record are read); ``sha256`` also hashes each file. Every shard is checked even after
     one fails, so the report lists all bad shards; a missing or malformed ``index.json`` is the only error."""
     if level not in VERIFY_MODES:
-        raise ValueError(f"level={level!r}: expected one of {VERIFY_MODES}")
+        raise BadInput(f"level={level!r}: expected one of {VERIFY_MODES}")
     report = VerifyReport(str(directory), level)
     t0 = time.perf_counter()
     try:

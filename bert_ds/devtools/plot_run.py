@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bert_ds.cli_args import build_parser, defaults_of, option, parse
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput, run_main
 
 __all__ = ["PANELS", "PlotResult", "find_event_dir", "main", "plot_run", "read_scalars"]
 
@@ -146,8 +146,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     scalars = read_scalars(event_dir)
     wanted = [tag for _, _, series in PANELS for tag, _, _ in series]
     if not any(tag in scalars for tag in wanted):
-        raise ValueError(f"{event_dir}: the event files hold none of the plotted tags {wanted} "
-                         f"(found {sorted(scalars) or 'no scalars'})")
+        raise BadInput(f"{event_dir}: the event files hold none of the plotted tags {wanted} "
+                       f"(found {sorted(scalars) or 'no scalars'})")
     meta_dir = run_dir if event_dir != run_dir else run_dir.parent
     spans = _phase_spans(scalars, meta_dir)
     last_step = max(steps[-1] for steps, _ in scalars.values() if steps)

@@ -30,7 +30,7 @@ from bert_ds import cli_args
 from bert_ds.cli_args import option
 from bert_ds.downstream.finetune import DEVICES, METRICS_NAME, FinetuneArgs, finetune, run_identity
 from bert_ds.downstream.tasks import GLUE_TASKS
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput, run_main
 
 __all__ = ["COLUMNS", "TRANSFER_TASKS", "SuiteArgs", "find_tasks", "run_suite", "markdown_table", "main"]
 
@@ -94,12 +94,12 @@ class SuiteArgs:
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
-            raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+            raise BadInput(f"seeds must be >= 1, got {self.seeds}")
         unknown = [t for t in self.tasks if t not in GLUE_TASKS]
         if unknown:
-            raise ValueError(f"tasks {unknown} are not GLUE tasks; choose from {list(GLUE_TASKS)}")
+            raise BadInput(f"tasks {unknown} are not GLUE tasks; choose from {list(GLUE_TASKS)}")
         if any(not lr > 0 for lr in (*self.lr_grid, self.learning_rate)):
-            raise ValueError(f"learning rates must be > 0, got {self.lr_grid or self.learning_rate}")
+            raise BadInput(f"learning rates must be > 0, got {self.lr_grid or self.learning_rate}")
 
 
 def find_tasks(data_dir: str | Path, only: tuple[str, ...] = ()) -> list[str]:
@@ -111,10 +111,10 @@ def find_tasks(data_dir: str | Path, only: tuple[str, ...] = ()) -> list[str]:
     if only:
         missing = [t for t in only if t not in found]
         if missing:
-            raise ValueError(f"{root}: no training file for {missing} (found: {found})")
+            raise BadInput(f"{root}: no training file for {missing} (found: {found})")
         found = [t for t in found if t in only]
     if not found:
-        raise ValueError(f"{root}: no GLUE task directory with a train.tsv (expected e.g. {root / 'CoLA'})")
+        raise BadInput(f"{root}: no GLUE task directory with a train.tsv (expected e.g. {root / 'CoLA'})")
     return found
 
 
@@ -130,14 +130,14 @@ def _check_reusable(run_dir: Path, metrics: dict, identity: dict) -> None:
     overwrite. Refused naming the first field that differs."""
     recorded = metrics.get("identity")
     if recorded is None:
-        raise ValueError(f"{run_dir}: a finished run without a recorded identity (written before bert_ds recorded "
-                         "one), so nothing tells its model from this one; choose a new --out, or delete it to rerun")
+        raise BadInput(f"{run_dir}: a finished run without a recorded identity (written before bert_ds recorded "
+                       "one), so nothing tells its model from this one; choose a new --out, or delete it to rerun")
     identity = json.loads(json.dumps(identity))  # as the metrics file holds it (tuples as lists)
     differ = [k for k in identity if recorded.get(k) != identity[k]] + [k for k in recorded if k not in identity]
     if differ:
         key, also = differ[0], f" (also differ: {', '.join(differ[1:])})" if differ[1:] else ""
-        raise ValueError(f"{run_dir}: a finished run of another setup: {key} {recorded.get(key)} there, "
-                         f"{identity.get(key)} now{also}; choose a new --out, or delete {run_dir} to rerun it")
+        raise BadInput(f"{run_dir}: a finished run of another setup: {key} {recorded.get(key)} there, "
+                       f"{identity.get(key)} now{also}; choose a new --out, or delete {run_dir} to rerun it")
 
 
 def _run(args: SuiteArgs, task: str, lr: float, seed: int, start_model: str) -> dict:
@@ -167,7 +167,7 @@ def run_suite(args: SuiteArgs) -> dict:
     """Fine-tune every task ``seeds`` times (per learning rate of the grid); returns and writes the table."""
     tasks = find_tasks(args.data_dir, args.tasks)
     if args.mnli_transfer and "mnli" not in tasks:
-        raise ValueError(f"{args.data_dir}: MNLI transfer needs the MNLI task directory")
+        raise BadInput(f"{args.data_dir}: MNLI transfer needs the MNLI task directory")
     grid = args.lr_grid or (args.learning_rate,)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     columns = {c[1]: [c2 for c2 in SHOWN if c2[1] == c[1]] for c in SHOWN}

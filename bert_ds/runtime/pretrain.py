@@ -54,7 +54,7 @@ from pathlib import Path
 from bert_ds import checkpoint as ckpt
 from bert_ds.cli_args import build_parser, parse
 from bert_ds.data.loader import LoaderWorkerError
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput, run_main
 from bert_ds.exit_codes import ExitCode
 from bert_ds.recipe import load_recipe
 from bert_ds.runtime import supervise
@@ -136,11 +136,11 @@ def _check_output(output: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"--output {output}: {existing} is a file, not a directory; name a run directory")
+        raise BadInput(f"--output {output}: {existing} is a file, not a directory; name a run directory")
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise ValueError(f"--output {output}: {existing} is on a read-only file system; name a writable run directory")
+        raise BadInput(f"--output {output}: {existing} is on a read-only file system; name a writable run directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output}: {existing} is not writable by this user; name a writable run directory")
+        raise BadInput(f"--output {output}: {existing} is not writable by this user; name a writable run directory")
 
 
 def preflight(argv: Sequence[str], rank: int = 0, world_size: int = 1) -> RunPlan:

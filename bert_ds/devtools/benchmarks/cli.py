@@ -130,9 +130,9 @@ class BenchmarkArgs:
 
     def __post_init__(self) -> None:
         if bool(self.shards128) != bool(self.shards512):
-            raise ValueError("--shards128 and --shards512 go together")
+            raise BadInput("--shards128 and --shards512 go together")
         if self.repeats < 1:
-            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+            raise BadInput(f"--repeats must be >= 1, got {self.repeats}")
 
 
 def main(argv: list[str] | None = None) -> int:
