@@ -7,6 +7,7 @@ Losses are weighted the same way: masked-LM loss by masked tokens, NSP loss by s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -21,10 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
 from bert_ds.config import BertConfig
 from bert_ds.data.batch import MODEL_INPUTS
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "evaluate_sources", "load_checkpoint_model", "recipe_kernels",
            "evaluate_checkpoint", "main"]
@@ -278,22 +280,23 @@ class EvaluateArgs:
             raise BadInput(f"--max-batches must be >= 1, got {self.max_batches}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(EvaluateArgs, "bert-ds-evaluate", "Evaluate a bert_ds training checkpoint on a held-out "
+                        "shard set; prints one JSON line on stdout, everything else on stderr.")
+
+
+main = alias("evaluate")
+
+
+def _run(args: EvaluateArgs) -> int:
     """``bert-ds-evaluate`` / ``tools/evaluate.py``: exit 0 with one JSON line (mlm_accuracy, nsp_accuracy, mlm_loss,
     nsp_loss, samples, masked_tokens, checkpoint, tag; with several ``--data`` sets also ``sources``, each set's own
     metrics) on stdout, 2 for a missing or incompatible input."""
-    parser = build_parser(EvaluateArgs, "bert-ds-evaluate", "Evaluate a bert_ds training checkpoint on a held-out "
-                          "shard set; prints one JSON line on stdout, everything else on stderr.")
-    args = parse(EvaluateArgs, parser, argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if not torch.cuda.is_available():
         # Consolidation imports DeepSpeed, which warns that it "was unable to detect" a GPU when it falls back to its
         # CPU accelerator by itself; naming the accelerator it would pick anyway keeps the output to one warning.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return run_main(None, _run, args)  # "error: ..." without the prog, as this command always wrote it
-
-
-def _run(args: EvaluateArgs) -> int:
     stdout = sys.stdout
     # DeepSpeed and zero_to_fp32 print to stdout; keep stdout for the one JSON line.
     with contextlib.redirect_stdout(sys.stderr):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from bert_ds.cli import COMMANDS
 from bert_ds.errors import BadInput, BertDsError, StepFailed, StorageError, exit_code_of, run_main
 from bert_ds.exit_codes import ExitCode
+from tests.helpers import HANG_GUARD_S
 from tests.helpers.ranks import REPO
 
 
@@ -110,11 +113,48 @@ def test_no_module_writes_its_own_error_line():
     assert found == {}, f"write error lines with bert_ds.errors.run_main / error_lines: {found}"
 
 
-# deepspeed and mpirun (runtime/supervise.py) pass on their ranks' exit codes and write no error line of their own.
-@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"deepspeed", "mpirun"}))
-def test_every_command_main_goes_through_run_main(command):
-    path = REPO / (COMMANDS[command][0].replace(".", "/") + ".py")
-    main = next(n for n in ast.parse(path.read_text(encoding="utf-8")).body
-                if isinstance(n, ast.FunctionDef) and n.name == "main")
-    calls = {n.func.id for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    assert "run_main" in calls, f"{path.relative_to(REPO)}: main does not return run_main(...)"
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_main_is_the_front_doors_alias(command):
+    """A command's module parses nothing and calls no run_main itself: its ``main`` is ``alias(name)``, and
+    :func:`bert_ds.cli.run` parses the command line once and runs the body once (deepspeed and mpirun, which pass
+    their arguments on to the launcher, get them verbatim and write no error line of their own)."""
+    path = REPO / (COMMANDS[command].module.replace(".", "/") + ".py")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"
+             or isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "main" for t in n.targets)]
+    assert len(mains) == 1 and isinstance(mains[0], ast.Assign), f"{path.relative_to(REPO)}: main = alias(...)"
+    call = mains[0].value
+    assert isinstance(call, ast.Call) and call.func.id == "alias" and call.args[0].value == command
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "run_main" not in calls, path
+
+
+_BUG = """
+import sys
+import bert_ds.runtime.launch as launch
+from bert_ds.cli import main
+
+def step(args):  # a bug: the two lists were meant to be as long
+    return len(list(zip([1, 2], [1], strict=True)))
+
+launch._run = step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def test_a_plain_value_error_in_a_command_is_a_bug_with_its_traceback():
+    """A command whose body raises a plain ``ValueError`` (here a ``zip(..., strict=True)``) exits 1 with the
+    traceback, not as bad input: exit 2 and ``error:`` are for ``BadInput`` (the same command refusing its input)."""
+    bug = subprocess.run([sys.executable, "-c", _BUG, "make-hostfile", "--hosts", "node0:8", "--output", "-"],
+                         capture_output=True, text=True, timeout=HANG_GUARD_S, env=_env())
+    assert bug.returncode == 1, bug.stderr
+    assert "Traceback (most recent call last)" in bug.stderr, bug.stderr
+    assert "ValueError: zip() argument 2 is shorter than argument 1" in bug.stderr and "error:" not in bug.stderr
+    refused = subprocess.run([sys.executable, "-m", "bert_ds.cli", "make-hostfile", "--hosts", "node0"],
+                             capture_output=True, text=True, timeout=HANG_GUARD_S, env=_env())
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr == "bert-ds-make-hostfile: error: --hosts: 'node0' has no :SLOTS and no --slots was given\n"

@@ -32,6 +32,7 @@ documents (``document_cuts``, nothing lost). Only inputs from which no chunk can
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import multiprocessing
@@ -45,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
 from bert_ds.data.format import MEMBER_SUFFIX, Sample, encode_sample, encode_samples, id_dtype_for_vocab
 from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardInfo, ShardWriter, shard_name
 from bert_ds.data.masking import (
@@ -75,7 +77,7 @@ from bert_ds.data.text import (
     split_sentences,
 )
 from bert_ds.data.tokenizer import WordPieceTokenizer, load_tokenizer
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "shard_index", "main"]
 
@@ -606,9 +608,11 @@ class CreateShardsArgs(InputArgs):
     """Replace a shard set already in --out."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(CreateShardsArgs, "bert-ds-create-shards", __doc__.splitlines()[0])
-    return run_main(parser.prog, _run, parse(CreateShardsArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(CreateShardsArgs, "bert-ds-create-shards", __doc__.splitlines()[0])
+
+
+main = alias("create-shards")
 
 
 def _run(args: CreateShardsArgs) -> None:

@@ -15,6 +15,7 @@ loader, the shard index and the exporter ask here instead of parsing the files t
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import itertools
@@ -33,7 +34,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
 from bert_ds.data.text import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SENTENCE_CHARS,
@@ -45,7 +47,7 @@ from bert_ds.data.text import (
     input_files,
     iter_training_texts,
 )
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 
 __all__ = [
     "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "read_vocab", "read_lowercase", "vocab_sha256",
@@ -518,9 +520,11 @@ class TrainTokenizerArgs(InputArgs):
     """Replace the tokenizer files of a non-empty --out."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(TrainTokenizerArgs, "bert-ds-train-tokenizer", __doc__.splitlines()[0])
-    return run_main(parser.prog, _run, parse(TrainTokenizerArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(TrainTokenizerArgs, "bert-ds-train-tokenizer", __doc__.splitlines()[0])
+
+
+main = alias("train-tokenizer")
 
 
 def _run(args: TrainTokenizerArgs) -> None:

@@ -11,13 +11,15 @@ display) and tensorboard (installed with bert_ds). Exit status 2 when there is n
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
-from bert_ds.errors import BadInput, run_main
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
+from bert_ds.errors import BadInput
 
 __all__ = ["PANELS", "PlotResult", "find_event_dir", "main", "plot_run", "read_scalars"]
 
@@ -181,13 +183,15 @@ class PlotArgs:
     """Figure title (default: the run directory's name)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-plot-run`` / ``tools/plot_run.py``: exit 0 after writing the PNG, 2 when there is nothing to plot."""
-    parser = build_parser(PlotArgs, "bert-ds-plot-run", __doc__.split("\n\n")[0])
-    return run_main(parser.prog, _run, parse(PlotArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(PlotArgs, "bert-ds-plot-run", __doc__.split("\n\n")[0])
+
+
+main = alias("plot-run")
 
 
 def _run(args: PlotArgs) -> int:
+    """``bert-ds-plot-run`` / ``tools/plot_run.py``: exit 0 after writing the PNG, 2 when there is nothing to plot."""
     result = plot_run(args.run_dir, args.out, args.title)
     note = f" (not in this run: {', '.join(result.missing)})" if result.missing else ""
     print(f"wrote {result.path}: {len(result.tags)} curves{note}")

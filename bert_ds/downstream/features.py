@@ -19,6 +19,7 @@ The array is written through a memory map batch by batch, so memory stays at one
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -30,8 +31,9 @@ import numpy as np
 import torch
 
 from bert_ds import cli_args
+from bert_ds.cli import alias
 from bert_ds.cli_args import option
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["PAIR_SEPARATOR", "COMBINATIONS", "POOLINGS", "FeatureSpec", "parse_layers", "default_layers",
            "resolve_layers", "read_sequences", "combine_layers", "pool", "extract_features", "main"]
@@ -231,16 +233,17 @@ class FeaturesArgs:
     """Torch device (default: cuda if available, else cpu)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-extract-features`` / ``tools/extract_features.py``: exit 0 after writing, 2 for bad input."""
-    parser = cli_args.build_parser(FeaturesArgs, "bert-ds-extract-features", "Write fixed BERT features of a text "
-                                   "file (BERT paper §5.3) to .npy, with a .json sidecar describing them.")
-    args = cli_args.parse(FeaturesArgs, parser, argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    return run_main(parser.prog, _run, args)
+def cli_parser() -> argparse.ArgumentParser:
+    return cli_args.build_parser(FeaturesArgs, "bert-ds-extract-features", "Write fixed BERT features of a text "
+                                 "file (BERT paper §5.3) to .npy, with a .json sidecar describing them.")
+
+
+main = alias("extract-features")
 
 
 def _run(args: FeaturesArgs) -> int:
+    """``bert-ds-extract-features`` / ``tools/extract_features.py``: exit 0 after writing, 2 for bad input."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     for name in ("max_seq_length", "batch_size"):
         if getattr(args, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -36,13 +36,14 @@ import numpy as np
 import torch
 
 from bert_ds import cli_args
+from bert_ds.cli import alias
 from bert_ds.cli_args import option
 from bert_ds.downstream import qa
 from bert_ds.downstream.identity import check_vocabulary, file_sha256, model_sha256
 from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
 from bert_ds.downstream.readers import DownstreamInputError, read_split
 from bert_ds.downstream.tasks import MAX_SEQ_LENGTH, QA_MAX_SEQ_LENGTH, TASKS, TaskSpec, task_spec
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 from bert_ds.export.convert import apply_umask
 
 __all__ = ["METRICS_NAME", "PREDICTIONS_NAME", "FinetuneArgs", "label_names", "split_files", "check_casing",
@@ -642,10 +643,6 @@ def build_parser(prog: str = "bert-ds-finetune") -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_args(argv: list[str] | None) -> FinetuneArgs:
-    return cli_args.parse(FinetuneArgs, build_parser(), argv)
-
-
 def _summary(metrics: dict) -> str:
     main_metric, lines = metrics["main_metric"], []
     for split, scores in metrics["eval"].items():
@@ -659,18 +656,16 @@ def _summary(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+main = alias("finetune")
+
+
+def _run(args: FinetuneArgs) -> int:
     """``bert-ds-finetune`` / ``tools/finetune.py``: exit 0 after writing the model, 2 for bad input."""
-    args = _parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.device == "cpu" or not torch.cuda.is_available():
         # accelerate (under Trainer) imports deepspeed when it is installed, which then warns that it "was unable to
         # detect" a GPU; name the CPU accelerator it would pick anyway.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return run_main("bert-ds-finetune", _run, args)
-
-
-def _run(args: FinetuneArgs) -> int:
     metrics = finetune(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wrote {args.out}: {metrics['steps']} steps, mean training loss {metrics['train_loss']:.4f}")

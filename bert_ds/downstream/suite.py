@@ -16,6 +16,7 @@ suite would run; any other finished run is refused, naming the first field that 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -27,10 +28,11 @@ from pathlib import Path
 import torch
 
 from bert_ds import cli_args
+from bert_ds.cli import alias
 from bert_ds.cli_args import option
 from bert_ds.downstream.finetune import DEVICES, METRICS_NAME, FinetuneArgs, finetune, run_identity
 from bert_ds.downstream.tasks import GLUE_TASKS
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["COLUMNS", "TRANSFER_TASKS", "SuiteArgs", "find_tasks", "run_suite", "markdown_table", "main"]
 
@@ -238,24 +240,21 @@ def markdown_table(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _parse(argv: list[str] | None) -> SuiteArgs:
+def cli_parser() -> argparse.ArgumentParser:
     """The CLI generated from SuiteArgs (its defaults, its field docs)."""
-    parser = cli_args.build_parser(SuiteArgs, "bert-ds-glue", "Fine-tune a BERT directory on every GLUE task of a data "
-                                   "directory with several seeds; median and spread per task and the GLUE average, as "
-                                   "Markdown and JSON (BERT paper Table 1 layout).")
-    return cli_args.parse(SuiteArgs, parser, argv)
+    return cli_args.build_parser(SuiteArgs, "bert-ds-glue", "Fine-tune a BERT directory on every GLUE task of a data "
+                                 "directory with several seeds; median and spread per task and the GLUE average, as "
+                                 "Markdown and JSON (BERT paper Table 1 layout).")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-glue`` / ``tools/glue.py``: exit 0 with the table printed, 2 for bad input."""
-    args = _parse(argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.device == "cpu" or not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # see finetune.main
-    return run_main("bert-ds-glue", _suite_and_table, args)
+main = alias("glue")
 
 
 def _suite_and_table(args: SuiteArgs) -> int:
+    """``bert-ds-glue`` / ``tools/glue.py``: exit 0 with the table printed, 2 for bad input."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.device == "cpu" or not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # see finetune._run
     table = run_suite(args)
     print(markdown_table(table), end="")
     print(f"wrote {Path(args.out) / (RESULTS_NAME + '.md')} and .json")

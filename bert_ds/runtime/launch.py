@@ -9,6 +9,7 @@ ranks from it: host names are then labels, never resolved, and ``--master_addr``
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -17,8 +18,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from bert_ds.cli_args import build_parser, option, parse
-from bert_ds.errors import BadInput, run_main
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, option
+from bert_ds.errors import BadInput
 
 __all__ = ["format_hostfile", "hosts_from_list", "hosts_from_slurm", "main", "parse_tasks_per_node", "slurm_hostnames",
            "slurm_master_port", "write_hostfile"]
@@ -150,13 +152,11 @@ class HostfileArgs:
             raise BadInput("give exactly one of --slurm and --hosts")
 
 
-def _parse_args(argv: Sequence[str] | None) -> HostfileArgs:
-    parser = build_parser(HostfileArgs, "bert-ds-make-hostfile", __doc__.split("\n\n")[0])
-    return parse(HostfileArgs, parser, argv)
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(HostfileArgs, "bert-ds-make-hostfile", __doc__.split("\n\n")[0])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_main("bert-ds-make-hostfile", _run, _parse_args(argv))
+main = alias("make-hostfile")
 
 
 def _run(args: HostfileArgs) -> int:
