@@ -234,10 +234,11 @@ def test_no_import_cycle_in_bert_ds():
 
 
 def test_safe_load_and_the_deepspeed_boundary_are_leaves():
-    """The DeepSpeed boundary imports nothing of bert_ds; the safe loader imports only it (DeepSpeed's pickled
-    classes) and the error base (its errors are bad input)."""
+    """The DeepSpeed boundary imports nothing of bert_ds but the error base (an unsupported DeepSpeed is the user's
+    environment: BadInput); the safe loader imports only it (DeepSpeed's pickled classes) and the error base (its
+    errors are bad input)."""
     graph = import_graph()
-    assert graph["bert_ds.deepspeed_internals"] == set()
+    assert graph["bert_ds.deepspeed_internals"] <= {"bert_ds.errors"}
     assert graph["bert_ds.safe_load"] <= {"bert_ds.deepspeed_internals", "bert_ds.errors"}
 
 

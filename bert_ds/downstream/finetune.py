@@ -230,7 +230,10 @@ def _recorded_lowercase(directory: Path) -> bool | None:
     for name, key in (("tokenizer_meta.json", "lowercase"), ("tokenizer_config.json", "do_lower_case")):
         path = directory / name
         if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get(key)
+            try:
+                value = json.loads(path.read_text(encoding="utf-8")).get(key)
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise BadInput(f"{path}: not a JSON object ({exc})") from exc
             if isinstance(value, bool):
                 return value
     return None
@@ -242,7 +245,10 @@ def _vocab_lowercase(directory: Path) -> bool | None:
     vocab = directory / "vocab.txt"
     if not vocab.is_file():
         return None
-    tokens = [t for t in vocab.read_text(encoding="utf-8").split("\n") if t and not t.startswith("[")]
+    try:
+        tokens = [t for t in vocab.read_text(encoding="utf-8").split("\n") if t and not t.startswith("[")]
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{vocab}: not UTF-8 at byte {exc.start}") from exc
     return not any("A" <= c <= "Z" for t in tokens for c in t)
 
 
