@@ -15,7 +15,7 @@ import pytest
 from bert_ds.cli import COMMANDS
 from bert_ds.errors import BadInput, BertDsError, StepFailed, StorageError, exit_code_of, run_main
 from bert_ds.exit_codes import ExitCode
-from tests.helpers import HANG_GUARD_S
+from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.ranks import REPO
 
 
@@ -142,19 +142,37 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
 def test_a_plain_value_error_in_a_command_is_a_bug_with_its_traceback():
     """A command whose body raises a plain ``ValueError`` (here a ``zip(..., strict=True)``) exits 1 with the
     traceback, not as bad input: exit 2 and ``error:`` are for ``BadInput`` (the same command refusing its input)."""
     bug = subprocess.run([sys.executable, "-c", _BUG, "make-hostfile", "--hosts", "node0:8", "--output", "-"],
-                         capture_output=True, text=True, timeout=HANG_GUARD_S, env=_env())
+                         capture_output=True, text=True, timeout=HANG_GUARD_S, env=child_env())
     assert bug.returncode == 1, bug.stderr
     assert "Traceback (most recent call last)" in bug.stderr, bug.stderr
     assert "ValueError: zip() argument 2 is shorter than argument 1" in bug.stderr and "error:" not in bug.stderr
     refused = subprocess.run([sys.executable, "-m", "bert_ds.cli", "make-hostfile", "--hosts", "node0"],
-                             capture_output=True, text=True, timeout=HANG_GUARD_S, env=_env())
+                             capture_output=True, text=True, timeout=HANG_GUARD_S, env=child_env())
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr == "bert-ds-make-hostfile: error: --hosts: 'node0' has no :SLOTS and no --slots was given\n"
+
+
+# ---- the count: a bare ValueError is a bug when it fires, so every one left is an internal contract ------------------
+
+def test_the_raise_scan_sees_what_is_raised(tmp_path):
+    from tests.helpers.value_errors import Raise, raises
+
+    (tmp_path / "probe.py").write_text('"""raise ValueError in prose"""\ndef f(x):\n    if x:\n'
+                                       '        raise ValueError("bad")\n    raise errors.BadInput("x")\n')
+    assert raises(tmp_path) == [Raise("probe.py", 4, "f", "ValueError"), Raise("probe.py", 5, "f", "BadInput")]
+
+
+def test_every_bare_value_error_left_is_an_internal_contract():
+    """Outside the modules another branch of issue 32 types (``PENDING``), each ``raise ValueError`` sits in a
+    function of ``INTERNAL``, which says why no user value reaches it; a user's bad input is ``BadInput``."""
+    from tests.helpers.value_errors import INTERNAL, PENDING, raises
+
+    bare = [r for r in raises() if r.raised == "ValueError"]
+    untyped = [f"{r.module}:{r.line} ({r.function})" for r in bare
+               if r.module not in PENDING and (r.module, r.function) not in INTERNAL]
+    assert untyped == [], "raise BadInput for a user's input, or list the function in INTERNAL with why"
+    assert set(INTERNAL) <= {(r.module, r.function) for r in bare}, "an INTERNAL entry raises no ValueError now"
