@@ -195,7 +195,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
     ``data_dir`` may list several sets, ``DIR,DIR``: the metrics are then those of all sets together plus
     ``sources`` (directory name -> that set's metrics, :func:`evaluate_sources`). ``kernels`` None uses the run's
     recipe (:func:`recipe_kernels`); ``auto`` off CUDA runs the torch twins with one warning. Adds ``checkpoint`` and
-    ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError with the offending path for a
+    ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / BadInput with the offending path for a
     missing or incompatible checkpoint or data directory."""
     from bert_ds.data.loader import build_eval_loader
     from bert_ds.data.mix import parse_sources

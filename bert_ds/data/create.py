@@ -16,7 +16,7 @@ more than ``max_sentence_chars`` characters (``text.TextLimits``: longer lines a
 longer BERT-layout documents cut), so a chunk exceeds its size by at most one such document. Rank 0 gathers the
 ``ShardInfo`` and writes ``index.json`` last and atomically; a failed run removes its shards and leaves no index.
 
-Bad input (each a ``ValueError``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
+Bad input (each a ``BadInput``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
 inputs; no chunk with two usable documents; invalid UTF-8 (file, line, byte offset); a JSON line without a string
 ``text``; malformed WikiExtractor or Parquet input (``text``'s module docstring; a file that fits no format is refused
 before any work); a tokenizer directory without ``vocab.txt``; a ``seq_len`` below 5 (``[CLS] A [SEP] B [SEP]`` with one

@@ -32,7 +32,7 @@ Compressed files (bzip2, e.g. WikiExtractor's ``-c``; gzip) are refused by name:
 Inputs may be files or directories; directories are walked recursively and files taken in sorted path order, so the
 document order, and with it every shard, is a function of the inputs alone. Text must be UTF-8: an invalid byte is an
 error that names the file, the line and the byte offset (silently replacing bytes would hide a wrong encoding).
-Malformed input is one ``ValueError`` naming the file and line: a bad JSON line, a ``<doc>`` never closed (the file
+Malformed input is one ``BadInput`` naming the file and line: a bad JSON line, a ``<doc>`` never closed (the file
 ends, or the next ``<doc>`` starts, first), text outside a ``<doc>`` block, a Parquet file without a ``text`` column
 (naming the columns it has) or not readable as Parquet.
 

@@ -137,7 +137,7 @@ def _draw_panel(ax, title: str, ylabel: str, series: list[tuple[str, str, str]],
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> PlotResult:
     """Write the run's curves to ``out`` (default ``RUN_DIR/curves.png``); returns the path and the tags drawn.
-    Raises FileNotFoundError without event files and ValueError when they hold none of the plotted tags."""
+    Raises FileNotFoundError without event files and BadInput when they hold none of the plotted tags."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display

@@ -122,7 +122,7 @@ class FinetuneArgs:
     """Log the training loss every N steps."""
 
     def __post_init__(self) -> None:
-        self.spec = task_spec(self.task)  # ValueError listing the presets
+        self.spec = task_spec(self.task)  # BadInput listing the presets
         if self.max_seq_length is None:
             self.max_seq_length = self.spec.max_seq_length
         if self.device is None:

@@ -72,7 +72,7 @@ def _tokens_by_id(tokenizer) -> list[str | None]:
 
 def check_vocabulary(model_dir: str | Path, tokenizer, tokenizer_dir: str | Path | None,
                      config_vocab_size: int) -> None:
-    """Refuse (ValueError, one line) a ``tokenizer_dir`` other than ``model_dir`` whose vocabulary differs from the
+    """Refuse (BadInput, one line) a ``tokenizer_dir`` other than ``model_dir`` whose vocabulary differs from the
     model directory's own, naming the first id that differs (or the sizes), and any tokenizer with more ids than the
     model's ``config.vocab_size`` embedding rows. A tokenizer with fewer ids than rows is fine (a vocabulary padded to
     a multiple of 8 for the GPU)."""

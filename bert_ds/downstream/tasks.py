@@ -248,7 +248,7 @@ TASKS: dict[str, TaskSpec] = {**GLUE_TASKS, **_OTHER_TASKS}
 
 
 def task_spec(name: str) -> TaskSpec:
-    """The preset called ``name``; a ValueError naming the known presets otherwise."""
+    """The preset called ``name``; a BadInput naming the known presets otherwise."""
     try:
         return TASKS[name]
     except KeyError:
