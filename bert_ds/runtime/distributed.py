@@ -66,7 +66,10 @@ def _env_from_mpirun() -> int:
     per host (for the thread split) and the port: discovery would otherwise always take 29500, so a second job on a
     node would collide. Returns the port (``mpirun -x MASTER_PORT=...`` picks another)."""
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-    return int(os.environ.get("MASTER_PORT", "29500"))
+    port = os.environ.get("MASTER_PORT", "29500")
+    if not port.isdigit():
+        raise BadInput(f"MASTER_PORT={port!r} is not a port number; export MASTER_PORT as a free port")
+    return int(port)
 
 
 def free_port() -> int:
