@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from bert_ds.errors import BadInput
+
 __all__ = ["BertConfig", "MODEL_PRESETS", "model_preset"]
 
 
@@ -36,18 +38,18 @@ class BertConfig:
                      "max_position_embeddings", "type_vocab_size", "pad_vocab_to_multiple_of"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BertConfig.{name} must be a positive integer, got {value!r}")
+                raise BadInput(f"BertConfig.{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"BertConfig.hidden_size={self.hidden_size} is not divisible by "
-                             f"num_attention_heads={self.num_attention_heads}")
+            raise BadInput(f"BertConfig.hidden_size={self.hidden_size} is not divisible by "
+                           f"num_attention_heads={self.num_attention_heads}")
         if self.hidden_act != "gelu":
-            raise ValueError(f"BertConfig.hidden_act={self.hidden_act!r}: only 'gelu' (erf form, as BERT) is supported")
+            raise BadInput(f"BertConfig.hidden_act={self.hidden_act!r}: only 'gelu' (erf form, as BERT) is supported")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
-                raise ValueError(f"BertConfig.{name} must be in [0, 1), got {value!r}")
+                raise BadInput(f"BertConfig.{name} must be in [0, 1), got {value!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"BertConfig.pad_token_id={self.pad_token_id} outside the vocabulary ({self.vocab_size})")
+            raise BadInput(f"BertConfig.pad_token_id={self.pad_token_id} outside the vocabulary ({self.vocab_size})")
 
     @property
     def head_dim(self) -> int:
@@ -66,7 +68,7 @@ class BertConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{source}: unknown BertConfig field(s) {unknown}")
+            raise BadInput(f"{source}: unknown BertConfig field(s) {unknown}")
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
@@ -78,7 +80,7 @@ class BertConfig:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read model config: {exc}") from exc
+            raise BadInput(f"{path}: cannot read model config: {exc}") from exc
         return cls.from_dict(data, source=str(path))
 
 
@@ -93,5 +95,5 @@ MODEL_PRESETS: dict[str, dict] = {
 def model_preset(name: str, **overrides) -> BertConfig:
     """A preset by name (``tiny``, ``base``, ``large``) with field overrides, e.g. ``vocab_size``."""
     if name not in MODEL_PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+        raise BadInput(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
     return BertConfig(**{**MODEL_PRESETS[name], **overrides})

@@ -1,9 +1,9 @@
 """The DeepSpeed boundary: every DeepSpeed-version fact bert_ds relies on, in one leaf module (it imports nothing
-from bert_ds, and deepspeed only inside the functions that need it, so the run directory's owner and the safe loader
-read its names without importing DeepSpeed). An upgrade means reading this file: the file names DeepSpeed gives a
-checkpoint, the classes its pickles hold, its optimizer wrapper's name and the loss-scale attribute, its CPU
-shared-memory extension and buffers, its launcher module, the log lines and warnings bert_ds silences, and the
-private ZeRO 1/2 internals below.
+from bert_ds but the error base, and deepspeed only inside the functions that need it, so the run directory's owner
+and the safe loader read its names without importing DeepSpeed). An upgrade means reading this file: the file names
+DeepSpeed gives a checkpoint, the classes its pickles hold, its optimizer wrapper's name and the loss-scale
+attribute, its CPU shared-memory extension and buffers, its launcher module, the log lines and warnings bert_ds
+silences, and the private ZeRO 1/2 internals below.
 
 Written against DeepSpeed 0.19.x (checked on 0.19.8): ``runtime/zero/stage_1_and_2.py`` (``DeepSpeedZeroOptimizer``)
 for the ZeRO 1/2 partition map that :class:`bert_ds.optim.ZeroAwareLamb` binds to and for re-cutting elastic
@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from bert_ds.errors import BadInput
 
 if TYPE_CHECKING:  # torch is imported where used: bert_ds.lifecycle.supervise reads these names without it
     import torch
@@ -155,7 +157,8 @@ def _supported_range() -> str:
 
 
 def check_deepspeed_version(version: str | None = None) -> str:
-    """Return the installed DeepSpeed version, or raise ValueError naming it and the supported range."""
+    """Return the installed DeepSpeed version, or raise BadInput (the user's environment) naming it and the
+    supported range."""
     if version is None:
         import deepspeed
 
@@ -163,9 +166,9 @@ def check_deepspeed_version(version: str | None = None) -> str:
     match = re.match(r"(\d+)\.(\d+)", str(version))
     lo, hi = SUPPORTED_DEEPSPEED
     if match is None or not lo <= (int(match[1]), int(match[2])) < hi:
-        raise ValueError(f"deepspeed {version} is installed, but bert_ds relies on DeepSpeed internals of "
-                         f"deepspeed{_supported_range()} (bert_ds/deepspeed_internals.py); install a "
-                         f"version in that range, e.g. pip install 'deepspeed{_supported_range()}'")
+        raise BadInput(f"deepspeed {version} is installed, but bert_ds relies on DeepSpeed internals of "
+                       f"deepspeed{_supported_range()} (bert_ds/deepspeed_internals.py); install a "
+                       f"version in that range, e.g. pip install 'deepspeed{_supported_range()}'")
     return str(version)
 
 

@@ -3,9 +3,11 @@
 A :class:`BertDsError` carries its exit code (:class:`~bert_ds.exit_codes.ExitCode`) as a class attribute: bad input
 is :class:`BadInput` (2, also a ``ValueError``), a disk that fills or fails under a run is :class:`StorageError` (74:
 not the input's fault, and retrying without freeing space fails the same way). :func:`run_main` runs a command's body
-and writes whatever it raises once, as ``<prog>: error: <message>``, returning the code; a plain ``ValueError`` or
-``OSError`` is bad input as well, except an ``OSError`` of the storage itself (``ENOSPC``, ``EDQUOT``, ``EIO``,
-``EFBIG``), which is 74 whatever class raised it. Anything else is a bug and keeps its traceback.
+and writes whatever it raises once, as ``<prog>: error: <message>``, returning the code; an ``OSError`` (a path
+that does not exist, a permission) is bad input as well, except an ``OSError`` of the storage itself (``ENOSPC``,
+``EDQUOT``, ``EIO``, ``EFBIG``), which is 74 whatever class raised it. Anything else is a bug and keeps its traceback
+and exits 1: a plain ``ValueError`` too (a ``zip(..., strict=True)`` in the step, a numpy shape error), since every
+refusal of the user's input is raised as :class:`BadInput`.
 A leaf: imports only the exit-code table.
 """
 
@@ -56,9 +58,7 @@ def exit_code_of(exc: BaseException) -> ExitCode | None:
         return exc.exit_code
     if isinstance(exc, OSError):
         return ExitCode.IO_ERROR if exc.errno in STORAGE_ERRNOS else ExitCode.BAD_INPUT
-    if isinstance(exc, ValueError):
-        return ExitCode.BAD_INPUT
-    return None
+    return None  # a plain ValueError too: bad input is typed (BadInput), so an untyped one is a bug
 
 
 def error_lines(prog: str | None, message: str) -> str:

@@ -7,6 +7,7 @@ Losses are weighted the same way: masked-LM loss by masked tokens, NSP loss by s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -21,10 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
 from bert_ds.config import BertConfig
 from bert_ds.data.batch import MODEL_INPUTS
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["MODEL_INPUTS", "RECIPE_NAME", "evaluate", "evaluate_sources", "load_checkpoint_model", "recipe_kernels",
            "evaluate_checkpoint", "main"]
@@ -72,7 +74,7 @@ def evaluate_sources(model: nn.Module, loaders: dict[str, Iterable[dict]], devic
         total = sums if total is None else total + sums
         any_nsp = any_nsp or has_nsp
     if total is None:
-        raise ValueError("evaluate_sources: no eval sets given")
+        raise BadInput("evaluate_sources: no eval sets given")
     return {**_metrics(total, any_nsp), "sources": per_source}
 
 
@@ -82,7 +84,7 @@ def _eval_sums(model: nn.Module, eval_loader: Iterable[dict], device: torch.devi
     """The running-sum vector (slots ``_MLM_CORRECT``...) over ``eval_loader``, all-reduced over ranks, and whether
     the batches carried NSP labels."""
     if max_batches is not None and max_batches < 1:
-        raise ValueError(f"max_batches must be >= 1 or None, got {max_batches!r}")
+        raise BadInput(f"max_batches must be >= 1 or None, got {max_batches!r}")
     device = torch.device(device) if device is not None else _model_device(model)
     sums = torch.zeros(7, dtype=torch.float64, device=device)
     has_nsp = False
@@ -120,7 +122,7 @@ def _eval_sums(model: nn.Module, eval_loader: Iterable[dict], device: torch.devi
 def _metrics(sums: torch.Tensor, has_nsp: bool) -> dict:
     s = sums.tolist()
     if s[_SAMPLES] == 0:
-        raise ValueError("evaluate: the eval loader yielded no batches")
+        raise BadInput("evaluate: the eval loader yielded no batches")
     masked = s[_MLM_TOTAL]
     nsp_total = s[_NSP_TOTAL]
     return {
@@ -181,7 +183,7 @@ def _choose_kernels(requested: str | None, checkpoint_dir: Path, device: torch.d
             try:
                 resolve_backend(op, kernels, device)
             except (RuntimeError, ValueError) as exc:
-                raise ValueError(f"kernels={kernels!r} ({source}): {exc}; pass --kernels torch") from exc
+                raise BadInput(f"kernels={kernels!r} ({source}): {exc}; pass --kernels torch") from exc
     return kernels, source, False
 
 
@@ -193,7 +195,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, data_dir: str | Path, *, tag
     ``data_dir`` may list several sets, ``DIR,DIR``: the metrics are then those of all sets together plus
     ``sources`` (directory name -> that set's metrics, :func:`evaluate_sources`). ``kernels`` None uses the run's
     recipe (:func:`recipe_kernels`); ``auto`` off CUDA runs the torch twins with one warning. Adds ``checkpoint`` and
-    ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / ValueError with the offending path for a
+    ``tag`` to :func:`evaluate`'s metrics. Raises FileNotFoundError / BadInput with the offending path for a
     missing or incompatible checkpoint or data directory."""
     from bert_ds.data.loader import build_eval_loader
     from bert_ds.data.mix import parse_sources
@@ -242,8 +244,8 @@ def _check_eval_set(data_dir: Path, index, vocab_hash: str, config: BertConfig) 
     """Refuse (naming the directory) a set whose vocabulary or sequence length does not fit the checkpoint."""
     index.check_compatible(vocab_sha256=vocab_hash, vocab_size=config.vocab_size, where=str(data_dir))
     if index.seq_len > config.max_position_embeddings:
-        raise ValueError(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "
-                         f"max_position_embeddings={config.max_position_embeddings}")
+        raise BadInput(f"{data_dir}/index.json: seq_len={index.seq_len} exceeds the model's "
+                       f"max_position_embeddings={config.max_position_embeddings}")
 
 
 _EVALUATE_DEFAULTS = defaults_of(evaluate_checkpoint)
@@ -273,27 +275,28 @@ class EvaluateArgs:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise BadInput(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_batches is not None and self.max_batches < 1:
-            raise ValueError(f"--max-batches must be >= 1, got {self.max_batches}")
+            raise BadInput(f"--max-batches must be >= 1, got {self.max_batches}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(EvaluateArgs, "bert-ds-evaluate", "Evaluate a bert_ds training checkpoint on a held-out "
+                        "shard set; prints one JSON line on stdout, everything else on stderr.")
+
+
+main = alias("evaluate")
+
+
+def _run(args: EvaluateArgs) -> int:
     """``bert-ds-evaluate`` / ``tools/evaluate.py``: exit 0 with one JSON line (mlm_accuracy, nsp_accuracy, mlm_loss,
     nsp_loss, samples, masked_tokens, checkpoint, tag; with several ``--data`` sets also ``sources``, each set's own
     metrics) on stdout, 2 for a missing or incompatible input."""
-    parser = build_parser(EvaluateArgs, "bert-ds-evaluate", "Evaluate a bert_ds training checkpoint on a held-out "
-                          "shard set; prints one JSON line on stdout, everything else on stderr.")
-    args = parse(EvaluateArgs, parser, argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if not torch.cuda.is_available():
         # Consolidation imports DeepSpeed, which warns that it "was unable to detect" a GPU when it falls back to its
         # CPU accelerator by itself; naming the accelerator it would pick anyway keeps the output to one warning.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return run_main(None, _run, args)  # "error: ..." without the prog, as this command always wrote it
-
-
-def _run(args: EvaluateArgs) -> int:
     stdout = sys.stdout
     # DeepSpeed and zero_to_fp32 print to stdout; keep stdout for the one JSON line.
     with contextlib.redirect_stdout(sys.stderr):

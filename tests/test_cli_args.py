@@ -103,14 +103,16 @@ def test_comma_separated_drops_empty_items():
 
 
 def test_finetune_and_glue_are_generated_with_their_defaults_written_once():
+    from bert_ds.cli_args import parse
     from bert_ds.downstream.finetune import FinetuneArgs
     from bert_ds.downstream.finetune import build_parser as finetune_parser
-    from bert_ds.downstream.suite import SuiteArgs, _parse
+    from bert_ds.downstream.suite import SuiteArgs, cli_parser
 
     defaults = {f.name: f.default for f in fields(FinetuneArgs) if f.default is not MISSING}
     assert {a.dest: a.default for a in finetune_parser()._actions if a.dest in defaults} == defaults
     assert "Passes over the training file (default: 3)" in " ".join(finetune_parser().format_help().split())
-    suite = _parse(["--model", "m", "--data-dir", "d", "--out", "o", "--lr-grid", "5e-5,4e-5", "--tasks", "cola"])
+    argv = ["--model", "m", "--data-dir", "d", "--out", "o", "--lr-grid", "5e-5,4e-5", "--tasks", "cola"]
+    suite = parse(SuiteArgs, cli_parser(), argv)
     assert suite == SuiteArgs(model="m", data_dir="d", out="o", lr_grid=(5e-5, 4e-5), tasks=("cola",))
 
 

@@ -105,8 +105,8 @@ def test_every_command_has_its_alias_and_the_front_door_lists_them_all():
     entry_points = _entry_points()
     assert set(entry_points) == {"bert-ds"} | {f"bert-ds-{name}" for name in COMMANDS}
     assert entry_points["bert-ds"].value == "bert_ds.cli:main"
-    for name, (module, _) in COMMANDS.items():
-        assert entry_points[f"bert-ds-{name}"].value == f"{module}:main", name
+    for name, command in COMMANDS.items():
+        assert entry_points[f"bert-ds-{name}"].value == f"{command.module}:main", name
     listed = subprocess.run([str(Path(sys.executable).parent / "bert-ds"), "--help"], capture_output=True, text=True,
                             timeout=HANG_GUARD_S)
     assert listed.returncode == 0, listed.stderr[-2000:]

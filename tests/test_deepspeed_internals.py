@@ -12,6 +12,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from bert_ds import deepspeed_internals as dsi
+from bert_ds.errors import BadInput
 
 
 def class_source(cls: type) -> str:
@@ -69,7 +70,7 @@ def test_installed_version_is_supported():
 @pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0", "not-a-version"])
 def test_unsupported_version_is_refused(monkeypatch, version):
     monkeypatch.setattr(deepspeed, "__version__", version)
-    with pytest.raises(ValueError, match=re.escape(f"deepspeed {version} is installed")) as info:
+    with pytest.raises(BadInput, match=re.escape(f"deepspeed {version} is installed")) as info:
         dsi.check_deepspeed_version()
     assert ">=0.19,<0.20" in str(info.value)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from bert_ds.cli import COMMANDS
 from bert_ds.errors import BadInput, BertDsError, StepFailed, StorageError, exit_code_of, run_main
 from bert_ds.exit_codes import ExitCode
+from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.ranks import REPO
 
 
@@ -29,7 +32,7 @@ def _raise(exc: BaseException):
     (StepFailed("a worker died"), 1), (OSError(errno.ENOSPC, "No space left on device"), 74),
     (OSError(errno.EDQUOT, "Disk quota exceeded"), 74), (OSError(errno.EIO, "Input/output error"), 74),
     (FileNotFoundError(errno.ENOENT, "No such file or directory", "x"), 2), (PermissionError(errno.EACCES, "no"), 2),
-    (ValueError("seq_len=7 must be >= 8"), 2)])
+    (BadInput("seq_len=7 must be >= 8"), 2)])
 def test_an_error_is_one_line_and_its_code(capsys, exc, code):
     assert run_main("bert-ds-x", _raise, exc) == code == exit_code_of(exc)
     err = capsys.readouterr().err
@@ -44,9 +47,12 @@ def test_one_line_per_problem_the_bare_form_and_success(capsys):
     assert run_main("bert-ds-x", lambda: None) == 0 and run_main("bert-ds-x", lambda: 3) == 3
 
 
-def test_a_bug_keeps_its_traceback(capsys):
-    with pytest.raises(KeyError):
-        run_main("bert-ds-x", _raise, KeyError("step"))
+@pytest.mark.parametrize("exc", [KeyError("step"), ValueError("zip() argument 2 is shorter than argument 1")])
+def test_a_bug_keeps_its_traceback(capsys, exc):
+    """A plain ``ValueError`` is a bug like any other untyped exception: bad input is raised as ``BadInput``."""
+    assert exit_code_of(exc) is None
+    with pytest.raises(type(exc)):
+        run_main("bert-ds-x", _raise, exc)
     assert capsys.readouterr().err == ""
 
 
@@ -107,11 +113,66 @@ def test_no_module_writes_its_own_error_line():
     assert found == {}, f"write error lines with bert_ds.errors.run_main / error_lines: {found}"
 
 
-# deepspeed and mpirun (lifecycle/supervise.py) pass on their ranks' exit codes and write no error line of their own.
-@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"deepspeed", "mpirun"}))
-def test_every_command_main_goes_through_run_main(command):
-    path = REPO / (COMMANDS[command][0].replace(".", "/") + ".py")
-    main = next(n for n in ast.parse(path.read_text(encoding="utf-8")).body
-                if isinstance(n, ast.FunctionDef) and n.name == "main")
-    calls = {n.func.id for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    assert "run_main" in calls, f"{path.relative_to(REPO)}: main does not return run_main(...)"
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_main_is_the_front_doors_alias(command):
+    """A command's module parses nothing and calls no run_main itself: its ``main`` is ``alias(name)``, and
+    :func:`bert_ds.cli.run` parses the command line once and runs the body once (deepspeed and mpirun, which pass
+    their arguments on to the launcher, get them verbatim and write no error line of their own)."""
+    path = REPO / (COMMANDS[command].module.replace(".", "/") + ".py")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"
+             or isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "main" for t in n.targets)]
+    assert len(mains) == 1 and isinstance(mains[0], ast.Assign), f"{path.relative_to(REPO)}: main = alias(...)"
+    call = mains[0].value
+    assert isinstance(call, ast.Call) and call.func.id == "alias" and call.args[0].value == command
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "run_main" not in calls, path
+
+
+_BUG = """
+import sys
+import bert_ds.lifecycle.hostfile as launch
+from bert_ds.cli import main
+
+def step(args):  # a bug: the two lists were meant to be as long
+    return len(list(zip([1, 2], [1], strict=True)))
+
+launch._run = step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_plain_value_error_in_a_command_is_a_bug_with_its_traceback():
+    """A command whose body raises a plain ``ValueError`` (here a ``zip(..., strict=True)``) exits 1 with the
+    traceback, not as bad input: exit 2 and ``error:`` are for ``BadInput`` (the same command refusing its input)."""
+    bug = subprocess.run([sys.executable, "-c", _BUG, "make-hostfile", "--hosts", "node0:8", "--output", "-"],
+                         capture_output=True, text=True, timeout=HANG_GUARD_S, env=child_env())
+    assert bug.returncode == 1, bug.stderr
+    assert "Traceback (most recent call last)" in bug.stderr, bug.stderr
+    assert "ValueError: zip() argument 2 is shorter than argument 1" in bug.stderr and "error:" not in bug.stderr
+    refused = subprocess.run([sys.executable, "-m", "bert_ds.cli", "make-hostfile", "--hosts", "node0"],
+                             capture_output=True, text=True, timeout=HANG_GUARD_S, env=child_env())
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr == "bert-ds-make-hostfile: error: --hosts: 'node0' has no :SLOTS and no --slots was given\n"
+
+
+# ---- the count: a bare ValueError is a bug when it fires, so every one left is an internal contract ------------------
+
+def test_the_raise_scan_sees_what_is_raised(tmp_path):
+    from tests.helpers.value_errors import Raise, raises
+
+    (tmp_path / "probe.py").write_text('"""raise ValueError in prose"""\ndef f(x):\n    if x:\n'
+                                       '        raise ValueError("bad")\n    raise errors.BadInput("x")\n')
+    assert raises(tmp_path) == [Raise("probe.py", 4, "f", "ValueError"), Raise("probe.py", 5, "f", "BadInput")]
+
+
+def test_every_bare_value_error_left_is_an_internal_contract():
+    """Outside the modules another branch of issue 32 types (``PENDING``), each ``raise ValueError`` sits in a
+    function of ``INTERNAL``, which says why no user value reaches it; a user's bad input is ``BadInput``."""
+    from tests.helpers.value_errors import INTERNAL, PENDING, raises
+
+    bare = [r for r in raises() if r.raised == "ValueError"]
+    untyped = [f"{r.module}:{r.line} ({r.function})" for r in bare
+               if r.module not in PENDING and (r.module, r.function) not in INTERNAL]
+    assert untyped == [], "raise BadInput for a user's input, or list the function in INTERNAL with why"
+    assert set(INTERNAL) <= {(r.module, r.function) for r in bare}, "an INTERNAL entry raises no ValueError now"

@@ -16,7 +16,7 @@ more than ``max_sentence_chars`` characters (``text.TextLimits``: longer lines a
 longer BERT-layout documents cut), so a chunk exceeds its size by at most one such document. Rank 0 gathers the
 ``ShardInfo`` and writes ``index.json`` last and atomically; a failed run removes its shards and leaves no index.
 
-Bad input (each a ``ValueError``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
+Bad input (each a ``BadInput``/``FileNotFoundError``/``FileExistsError`` naming what is wrong): no documents in the
 inputs; no chunk with two usable documents; invalid UTF-8 (file, line, byte offset); a JSON line without a string
 ``text``; malformed WikiExtractor or Parquet input (``text``'s module docstring; a file that fits no format is refused
 before any work); a tokenizer directory without ``vocab.txt``; a ``seq_len`` below 5 (``[CLS] A [SEP] B [SEP]`` with one
@@ -32,6 +32,7 @@ documents (``document_cuts``, nothing lost). Only inputs from which no chunk can
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import multiprocessing
@@ -45,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
 from bert_ds.data.format import MEMBER_SUFFIX, Sample, encode_sample, encode_samples, id_dtype_for_vocab
 from bert_ds.data.index import INDEX_NAME, ShardIndex, ShardInfo, ShardWriter, shard_name
 from bert_ds.data.masking import (
@@ -75,7 +77,7 @@ from bert_ds.data.text import (
     split_sentences,
 )
 from bert_ds.data.tokenizer import WordPieceTokenizer, load_tokenizer
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["CreateParams", "ChunkResult", "create_shards", "iter_chunks", "process_chunk", "shard_index", "main"]
 
@@ -233,8 +235,8 @@ def process_chunk(index: int, documents: list[RawDocument], params: CreateParams
     for dupe in range(params.dupe_factor):
         shard = shard_index(index, dupe, params.dupe_factor)
         if shard >= _MAX_KEY:
-            raise ValueError(f"chunk {index}, duplicate {dupe} needs shard {shard}, more than sample keys allow "
-                             f"({_MAX_KEY} shards); raise samples_per_shard")
+            raise BadInput(f"chunk {index}, duplicate {dupe} needs shard {shard}, more than sample keys allow "
+                           f"({_MAX_KEY} shards); raise samples_per_shard")
         py_rng = random.Random(int.from_bytes(_rng_seed(params.seed, index, dupe, _PAIRING).generate_state(4)
                                               .tobytes(), "little"))
         np_rng = np.random.default_rng(_rng_seed(params.seed, index, dupe, _MASKING))
@@ -255,8 +257,8 @@ def process_chunk(index: int, documents: list[RawDocument], params: CreateParams
                     vocab_size=vocab_size, mask_id=mask_id, masked_lm_prob=params.masked_lm_prob, word_ids=word_ids)
                 payloads.append(encode_sample(Sample(masked, seg_a, positions, original, pair.nsp_label), dtype))
         if len(payloads) >= _MAX_KEY:
-            raise ValueError(f"chunk {index} produced {len(payloads)} samples in one copy, more than sample keys "
-                             f"allow ({_MAX_KEY}); lower samples_per_shard")
+            raise BadInput(f"chunk {index} produced {len(payloads)} samples in one copy, more than sample keys "
+                           f"allow ({_MAX_KEY}); lower samples_per_shard")
         order = np.random.default_rng(_rng_seed(params.seed, index, dupe, _SHUFFLE)).permutation(len(payloads))
         counts["samples"] += len(payloads)
         with ShardWriter(Path(params.out_dir) / shard_name(shard)) as writer:
@@ -401,21 +403,21 @@ def _run_chunks(files: list[Path], params: CreateParams, chunk_bytes: int, worke
 def _check_create_args(seq_len: int, max_predictions: int, dupe_factor: int, short_seq_prob: float,
                        masked_lm_prob: float, seed: int, workers: int, samples_per_shard: int) -> None:
     if not isinstance(seq_len, int) or seq_len < 5:
-        raise ValueError(f"seq_len={seq_len!r} is too small for [CLS] A [SEP] B [SEP] (needs at least 5)")
+        raise BadInput(f"seq_len={seq_len!r} is too small for [CLS] A [SEP] B [SEP] (needs at least 5)")
     if seq_len > 65535:
-        raise ValueError(f"seq_len={seq_len} exceeds the shard format's 16-bit lengths (max 65535)")
+        raise BadInput(f"seq_len={seq_len} exceeds the shard format's 16-bit lengths (max 65535)")
     if not 1 <= max_predictions <= seq_len - 3:
-        raise ValueError(f"max_predictions={max_predictions} must be in [1, seq_len - 3 = {seq_len - 3}]")
+        raise BadInput(f"max_predictions={max_predictions} must be in [1, seq_len - 3 = {seq_len - 3}]")
     if not 0.0 < masked_lm_prob < 1.0:
-        raise ValueError(f"masked_lm_prob={masked_lm_prob} must be in (0, 1)")
+        raise BadInput(f"masked_lm_prob={masked_lm_prob} must be in (0, 1)")
     if not 0.0 <= short_seq_prob <= 1.0:
-        raise ValueError(f"short_seq_prob={short_seq_prob} must be in [0, 1]")
+        raise BadInput(f"short_seq_prob={short_seq_prob} must be in [0, 1]")
     for name, value, hi in (("dupe_factor", dupe_factor, 1000), ("workers", workers, 4096),
                             ("samples_per_shard", samples_per_shard, _MAX_KEY // 2)):
         if not isinstance(value, int) or not 1 <= value <= hi:
-            raise ValueError(f"{name}={value!r} must be an integer in [1, {hi}]")
+            raise BadInput(f"{name}={value!r} must be an integer in [1, {hi}]")
     if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be a non-negative integer")
+        raise BadInput(f"seed={seed!r} must be a non-negative integer")
 
 
 def _prepare_out_dir_on_rank0(out: Path, overwrite: bool, comm, rank: int) -> tuple[list[Path], OutDirLock | None]:
@@ -483,19 +485,19 @@ def _shard_index(all_results: list[ChunkResult], read_skipped: SkipCounts, files
     long_sentences = read_skipped.long_sentences + sum(r.counts["skipped_long_sentences"] for r in all_results)
     note = _skip_note(read_skipped.long_lines, long_sentences, params)
     if not all_results:
-        raise ValueError(f"no documents in the inputs ({', '.join(str(f) for f in files[:5])}"
-                         f"{', ...' if len(files) > 5 else ''}): empty or blank files{note}")
+        raise BadInput(f"no documents in the inputs ({', '.join(str(f) for f in files[:5])}"
+                       f"{', ...' if len(files) > 5 else ''}): empty or blank files{note}")
     counts = {k: sum(r.counts[k] for r in all_results) for k in all_results[0].counts}
     shards = [s for r in all_results for s in r.shards]
     if not shards:
         if counts["skipped_unpaired_documents"]:
             n = counts["skipped_unpaired_documents"]
-            raise ValueError(f"no NotNext pair can be drawn: every chunk of the inputs holds at most one document with "
-                             f"two or more sentences ({n} such document(s) in all), and a random B must come from "
-                             f"another document; the inputs need more multi-sentence documents{note}")
-        raise ValueError(f"no usable documents in the inputs: all {counts['skipped_short_documents']} documents have "
-                         f"fewer than two sentences (BERT layout: one sentence per line, blank line between "
-                         f"documents){note}")
+            raise BadInput(f"no NotNext pair can be drawn: every chunk of the inputs holds at most one document with "
+                           f"two or more sentences ({n} such document(s) in all), and a random B must come from "
+                           f"another document; the inputs need more multi-sentence documents{note}")
+        raise BadInput(f"no usable documents in the inputs: all {counts['skipped_short_documents']} documents have "
+                       f"fewer than two sentences (BERT layout: one sentence per line, blank line between "
+                       f"documents){note}")
     seq_len = params.seq_len
     return ShardIndex(
         seq_len=seq_len, vocab_size=tok.vocab_size, vocab_sha256=tok.vocab_sha256,
@@ -606,9 +608,11 @@ class CreateShardsArgs(InputArgs):
     """Replace a shard set already in --out."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(CreateShardsArgs, "bert-ds-create-shards", __doc__.splitlines()[0])
-    return run_main(parser.prog, _run, parse(CreateShardsArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(CreateShardsArgs, "bert-ds-create-shards", __doc__.splitlines()[0])
+
+
+main = alias("create-shards")
 
 
 def _run(args: CreateShardsArgs) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from bert_ds.data.masking import default_max_predictions, mask_pairs, mask_tokens, word_ids_from_pieces
 from bert_ds.data.tokenizer import continuation_table, load_tokenizer, read_vocab
+from bert_ds.errors import BadInput
 
 __all__ = ["DynamicMasking"]
 
@@ -46,23 +47,23 @@ class DynamicMasking:
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0:
-            raise ValueError(f"DynamicMasking.vocab_size={self.vocab_size}: must be positive")
+            raise BadInput(f"DynamicMasking.vocab_size={self.vocab_size}: must be positive")
         if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError(f"DynamicMasking.masked_lm_prob={self.masked_lm_prob}: must be in (0, 1)")
+            raise BadInput(f"DynamicMasking.masked_lm_prob={self.masked_lm_prob}: must be in (0, 1)")
         if self.max_predictions is not None and self.max_predictions <= 0:
-            raise ValueError(f"DynamicMasking.max_predictions={self.max_predictions}: must be positive")
+            raise BadInput(f"DynamicMasking.max_predictions={self.max_predictions}: must be positive")
         if not 0 <= self.mask_id < self.vocab_size:
-            raise ValueError(f"DynamicMasking.mask_id={self.mask_id}: outside the vocabulary")
+            raise BadInput(f"DynamicMasking.mask_id={self.mask_id}: outside the vocabulary")
         if self.whole_word:
             if self.continuation is None and self.vocab is None:
-                raise ValueError("DynamicMasking.whole_word=True needs 'vocab' (tokenizer dir or vocab.txt) "
-                                 "or 'continuation' (a bool per token id)")
+                raise BadInput("DynamicMasking.whole_word=True needs 'vocab' (tokenizer dir or vocab.txt) "
+                               "or 'continuation' (a bool per token id)")
             if self.continuation is None:
                 self.continuation = continuation_table(read_vocab(self.vocab))
             self.continuation = np.asarray(self.continuation, dtype=bool)
             if self.continuation.shape != (self.vocab_size,):
-                raise ValueError(f"DynamicMasking.continuation has {self.continuation.shape[0]} entries but "
-                                 f"vocab_size={self.vocab_size}")
+                raise BadInput(f"DynamicMasking.continuation has {self.continuation.shape[0]} entries but "
+                               f"vocab_size={self.vocab_size}")
 
     @classmethod
     def from_tokenizer(cls, tokenizer_dir: str | Path, **kwargs) -> DynamicMasking:

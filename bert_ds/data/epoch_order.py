@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bert_ds.errors import BadInput
+
 __all__ = ["EpochOrder"]
 
 # Distinct tags keep the shard-order and window random streams independent for the same (seed, epoch).
@@ -27,7 +29,7 @@ class EpochOrder:
 
     def __init__(self, shard_counts: Sequence[int], *, seed: int, shuffle: bool, window_shards: int):
         if window_shards <= 0:
-            raise ValueError(f"shuffle_window_shards={window_shards}: must be positive")
+            raise BadInput(f"shuffle_window_shards={window_shards}: must be positive")
         self.counts = np.asarray(shard_counts, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.num_samples = int(self.starts[-1])

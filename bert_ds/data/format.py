@@ -85,8 +85,8 @@ def _record(length: int, segment_a_length: int, predictions: int, nsp_label: int
 
 
 def _refuse(i: int, length: int, segment_a_length: int, predictions: int) -> None:
-    raise ValueError(f"bad sample {i}: length={length} segment_a_length={segment_a_length} predictions={predictions} "
-                     f"(need 0 < segment_a_length < length <= 65535, predictions <= 65535)")
+    raise BadInput(f"bad sample {i}: length={length} segment_a_length={segment_a_length} predictions={predictions} "
+                   f"(need 0 < segment_a_length < length <= 65535, predictions <= 65535)")
 
 
 def encode_sample(sample: Sample, id_dtype: np.dtype) -> bytes:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bert_ds.data.format import FORMAT_NAME, FORMAT_VERSION
 from bert_ds.data.tokenizer import vocab_sha256  # the tokenizer stage owns vocab.txt; kept importable from here
+from bert_ds.errors import BadInput
 
 __all__ = ["INDEX_NAME", "ShardInfo", "ShardIndex", "ShardWriter", "vocab_sha256", "file_sha256", "shard_name"]
 
@@ -46,7 +47,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def _require(ok: bool, field_name: str, value: object, need: str) -> None:
     if not ok:
-        raise ValueError(f"field '{field_name}' is {value!r:.80}, need {need}")
+        raise BadInput(f"field '{field_name}' is {value!r:.80}, need {need}")
 
 
 def _is_int(value: object) -> bool:
@@ -114,10 +115,10 @@ class ShardIndex:
         names = [s.name for s in self.shards]
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
-            raise ValueError(f"field 'shards' lists {dup!r} twice")
+            raise BadInput(f"field 'shards' lists {dup!r} twice")
         counted = sum(s.samples for s in self.shards)
         if self.total_samples != counted:
-            raise ValueError(f"field 'total_samples' is {self.total_samples!r:.80}, but its shards hold {counted}")
+            raise BadInput(f"field 'total_samples' is {self.total_samples!r:.80}, but its shards hold {counted}")
 
     def _check_masking(self) -> None:
         """The masking numbers the loader sizes its buffers from: checked here, before anything is allocated."""
@@ -146,25 +147,25 @@ class ShardIndex:
         try:
             data = json.loads(path.read_bytes().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise ValueError(f"{path}: not valid UTF-8 JSON: {str(exc)[:200]}") from None
+            raise BadInput(f"{path}: not valid UTF-8 JSON: {str(exc)[:200]}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: holds a JSON {type(data).__name__}, expected an object")
+            raise BadInput(f"{path}: holds a JSON {type(data).__name__}, expected an object")
         if data.get("format") != FORMAT_NAME:
-            raise ValueError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}")
+            raise BadInput(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}")
         if data.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: field 'format_version' is {data.get('format_version')!r}; "
-                             f"this bert_ds reads version {FORMAT_VERSION}")
+            raise BadInput(f"{path}: field 'format_version' is {data.get('format_version')!r}; "
+                           f"this bert_ds reads version {FORMAT_VERSION}")
         known = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(known - set(data) - {"extra"})
         if missing:
-            raise ValueError(f"{path}: missing field(s) {missing}")
+            raise BadInput(f"{path}: missing field(s) {missing}")
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{path}: unknown field(s) {unknown}")
+            raise BadInput(f"{path}: unknown field(s) {unknown}")
         try:
             return cls(**data)
         except (TypeError, ValueError) as exc:  # TypeError: a shard entry with missing or unknown keys
-            raise ValueError(f"{path}: {exc}") from None
+            raise BadInput(f"{path}: {exc}") from None
 
     def check_compatible(self, *, seq_len: int | None = None, vocab_sha256: str | None = None,
                          vocab_size: int | None = None, where: str = "shards") -> None:
@@ -172,7 +173,7 @@ class ShardIndex:
         for name, want in (("seq_len", seq_len), ("vocab_sha256", vocab_sha256), ("vocab_size", vocab_size)):
             have = getattr(self, name)
             if want is not None and have != want:
-                raise ValueError(f"{where}/{INDEX_NAME}: field '{name}' is {have!r} but the run expects {want!r}")
+                raise BadInput(f"{where}/{INDEX_NAME}: field '{name}' is {have!r} but the run expects {want!r}")
 
 
 class ShardWriter:

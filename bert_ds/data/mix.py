@@ -31,6 +31,7 @@ from bert_ds.data.collate import Collator
 from bert_ds.data.epoch_order import EpochOrder
 from bert_ds.data.masking import counter_hash, counter_uniforms
 from bert_ds.data.reader import ShardReader
+from bert_ds.errors import BadInput
 
 __all__ = ["Source", "parse_sources", "is_mix", "source_seed", "MixSchedule", "MixedMicroBatches", "MixReaders",
            "MixChangedError", "mix_changes", "rule_changes", "check_source_samples", "mix_summary", "MIX_RULE"]
@@ -102,7 +103,7 @@ def source_seed(seed: int, shard_set_sha256: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-class MixChangedError(ValueError):
+class MixChangedError(BadInput):
     """A resume whose mix (sources, weights or their order) is not the checkpoint's, asked for no new mix."""
 
 

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from bert_ds.data.tokenizer import WordPieceTokenizer
+from bert_ds.errors import BadInput
 
 __all__ = ["TokenizedDocuments", "Pair", "tokenize_documents", "create_pairs", "truncate_pair", "pair_input_ids"]
 
@@ -122,10 +123,10 @@ def create_pairs(docs: TokenizedDocuments, rng: random.Random, *, seq_len: int, 
                  ) -> list[Pair]:
     """All NSP instances of one pass over ``docs`` (one duplicate), in document order."""
     if seq_len < 5:
-        raise ValueError(f"seq_len={seq_len} is too small for [CLS] A [SEP] B [SEP] (needs at least 5)")
+        raise BadInput(f"seq_len={seq_len} is too small for [CLS] A [SEP] B [SEP] (needs at least 5)")
     n_docs = docs.num_documents
     if n_docs < 2:
-        raise ValueError(f"NSP needs at least 2 documents with 2+ sentences to draw a random B from, got {n_docs}")
+        raise BadInput(f"NSP needs at least 2 documents with 2+ sentences to draw a random B from, got {n_docs}")
     max_tokens = seq_len - 3
     soff = docs.sentence_offsets.tolist()
     doff = docs.document_offsets.tolist()

@@ -20,19 +20,20 @@ and the field.
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from bert_ds.cli_args import build_parser, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, option
 from bert_ds.data.format import HEADER_SIZE, MEMBER_SUFFIX, Sample, ShardError, check_record_headers, decode_sample
 from bert_ds.data.index import INDEX_NAME, ShardIndex, file_sha256
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["ShardError", "TarMembers", "scan_tar", "ShardReader", "VERIFY_MODES", "VerifyReport", "verify_shard_set",
            "main"]
@@ -147,9 +148,9 @@ class ShardReader:
     def __init__(self, data_dir: str | Path, *, verify: str = "size", index: ShardIndex | None = None,
                  max_open_shards: int = 32):
         if verify not in VERIFY_MODES:
-            raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+            raise BadInput(f"verify={verify!r}: expected one of {VERIFY_MODES}")
         if max_open_shards <= 0:
-            raise ValueError(f"max_open_shards={max_open_shards}: must be positive")
+            raise BadInput(f"max_open_shards={max_open_shards}: must be positive")
         self.max_open_shards = max_open_shards
         self.data_dir = Path(data_dir)
         self.verify = verify
@@ -337,7 +338,7 @@ def verify_shard_set(directory: str | Path, level: str = "headers") -> VerifyRep
     headers and 8 bytes per record are read); ``sha256`` also hashes each file. Every shard is checked even after
     one fails, so the report lists all bad shards; a missing or malformed ``index.json`` is the only error."""
     if level not in VERIFY_MODES:
-        raise ValueError(f"level={level!r}: expected one of {VERIFY_MODES}")
+        raise BadInput(f"level={level!r}: expected one of {VERIFY_MODES}")
     report = VerifyReport(str(directory), level)
     t0 = time.perf_counter()
     try:
@@ -374,16 +375,17 @@ class VerifyArgs:
                         "and every record header (fast); sha256: + each file's checksum (reads everything)")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``bert-ds-verify-shards DIR [DIR ...] [--level size|headers|sha256]``: exit 0 when every set is clean, else
-    print one line per bad shard (shard, member, field) on stderr and exit 2."""
-    parser = build_parser(VerifyArgs, "bert-ds-verify-shards", "Check shard sets against their index.json without "
-                          "training.")
-    return run_main(parser.prog, _verify, parse(VerifyArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(VerifyArgs, "bert-ds-verify-shards", "Check shard sets against their index.json without "
+                        "training.")
 
 
-def _verify(args: VerifyArgs) -> None:
-    """Every set's summary on stdout; then one error line per bad shard of every set (exit 2)."""
+main = alias("verify-shards")
+
+
+def _run(args: VerifyArgs) -> None:
+    """``bert-ds-verify-shards DIR [DIR ...] [--level size|headers|sha256]``: every set's summary on stdout; exit 0
+    when every set is clean, else one error line per bad shard (shard, member, field) of every set and exit 2."""
     errors = []
     for directory in args.dirs:
         report = verify_shard_set(directory, args.level)

@@ -15,6 +15,7 @@ import numpy as np
 
 from bert_ds.data.format import Sample, encode_sample, id_dtype_for_vocab
 from bert_ds.data.index import ShardIndex, ShardWriter, shard_name
+from bert_ds.errors import BadInput
 
 __all__ = ["ID_BASE", "ID_RADIX", "write_synthetic_shards", "sample_ids_of_batch"]
 
@@ -53,9 +54,9 @@ def write_synthetic_shards(directory: str | Path, *, num_samples: int, samples_p
     specials = {"cls_id": cls_id, "sep_id": sep_id, "mask_id": mask_id}
     for name, value in specials.items():
         if not 0 <= value < ID_BASE:
-            raise ValueError(f"{name}={value} must be in [0, {ID_BASE}): random tokens start at ID_BASE={ID_BASE}")
+            raise BadInput(f"{name}={value} must be in [0, {ID_BASE}): random tokens start at ID_BASE={ID_BASE}")
     if ID_BASE + (num_samples - 1) // ID_RADIX >= vocab_size or ID_BASE + ID_RADIX > vocab_size:
-        raise ValueError(f"num_samples={num_samples} too large to encode ids with vocab_size={vocab_size}")
+        raise BadInput(f"num_samples={num_samples} too large to encode ids with vocab_size={vocab_size}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     id_dtype = id_dtype_for_vocab(vocab_size)

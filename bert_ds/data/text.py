@@ -32,7 +32,7 @@ Compressed files (bzip2, e.g. WikiExtractor's ``-c``; gzip) are refused by name:
 Inputs may be files or directories; directories are walked recursively and files taken in sorted path order, so the
 document order, and with it every shard, is a function of the inputs alone. Text must be UTF-8: an invalid byte is an
 error that names the file, the line and the byte offset (silently replacing bytes would hide a wrong encoding).
-Malformed input is one ``ValueError`` naming the file and line: a bad JSON line, a ``<doc>`` never closed (the file
+Malformed input is one ``BadInput`` naming the file and line: a bad JSON line, a ``<doc>`` never closed (the file
 ends, or the next ``<doc>`` starts, first), text outside a ``<doc>`` block, a Parquet file without a ``text`` column
 (naming the columns it has) or not readable as Parquet.
 
@@ -58,6 +58,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from bert_ds.cli_args import option
+from bert_ds.errors import BadInput
 
 __all__ = ["JSONL_SUFFIXES", "INPUT_FORMATS", "DEFAULT_MAX_DOCUMENT_BYTES", "DEFAULT_MAX_SENTENCE_CHARS",
            "TextLimits", "SkipCounts", "input_files", "detect_format", "input_bytes", "describe_inputs",
@@ -102,7 +103,7 @@ class TextLimits:
         for name in ("max_document_bytes", "max_sentence_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+                raise BadInput(f"{name}={value!r} must be a positive integer")
 
 
 def describe_inputs(files: Sequence[Path], limit: int = 10, input_format: str = "auto") -> str:
@@ -164,7 +165,7 @@ def input_files(inputs: Sequence[str | Path] | str | Path, pattern: str | None =
     if isinstance(inputs, str | Path):
         inputs = [inputs]
     if not inputs:
-        raise ValueError("no inputs given")
+        raise BadInput("no inputs given")
     files: list[Path] = []
     for item in inputs:
         path = Path(item)
@@ -172,8 +173,8 @@ def input_files(inputs: Sequence[str | Path] | str | Path, pattern: str | None =
             found = sorted(p for p in path.rglob(pattern or "*") if p.is_file()
                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
             if not found:
-                raise ValueError(f"input directory {path} holds no files" +
-                                 (f" matching --input-pattern {pattern!r}" if pattern else ""))
+                raise BadInput(f"input directory {path} holds no files" +
+                               (f" matching --input-pattern {pattern!r}" if pattern else ""))
             files.extend(found)
         elif path.is_file():
             files.append(path)
@@ -213,7 +214,7 @@ def detect_format(path: str | Path, input_format: str = "auto") -> str:
     ``wikiextractor-json`` or ``parquet``. ``auto`` sniffs the file (rule in the module docstring); an explicit
     format is taken as given, except that ``wikiextractor`` picks its form from the first line."""
     if input_format not in INPUT_FORMATS:
-        raise ValueError(f"input_format={input_format!r} must be one of {', '.join(INPUT_FORMATS)}")
+        raise BadInput(f"input_format={input_format!r} must be one of {', '.join(INPUT_FORMATS)}")
     path = Path(path)
     if input_format in ("bert", "jsonl", "parquet"):
         return input_format
@@ -224,15 +225,15 @@ def detect_format(path: str | Path, input_format: str = "auto") -> str:
         return "parquet"
     for pattern, kind in _COMPRESSED:
         if pattern.match(magic):
-            raise ValueError(f"{path}: {kind}-compressed; decompress it first (bunzip2 -k / gunzip -k), bert_ds reads "
-                             f"plain UTF-8 text, JSON lines and Parquet")
+            raise BadInput(f"{path}: {kind}-compressed; decompress it first (bunzip2 -k / gunzip -k), bert_ds reads "
+                           f"plain UTF-8 text, JSON lines and Parquet")
     if _WIKI_HEADER.fullmatch(line):
         return "wikiextractor"
     if _WIKI_JSON.match(line) or (input_format == "wikiextractor" and line.startswith("{")):
         return "wikiextractor-json"
     if input_format == "wikiextractor":
-        raise ValueError(f"{path}: not WikiExtractor output (--input-format wikiextractor): its first line is neither "
-                         f"a <doc id=...> header nor a JSON object: {line[:60]!r}")
+        raise BadInput(f"{path}: not WikiExtractor output (--input-format wikiextractor): its first line is neither "
+                       f"a <doc id=...> header nor a JSON object: {line[:60]!r}")
     if path.suffix.lower() in JSONL_SUFFIXES or _is_json_object(line, whole):
         return "jsonl"
     return "bert"
@@ -289,8 +290,8 @@ def _decoded_lines(path: Path, max_bytes: int, skipped: SkipCounts
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid UTF-8 byte 0x{raw[exc.start]:02x} at byte offset "
-                                 f"{offset + exc.start}; convert the file to UTF-8 (e.g. iconv)") from None
+                raise BadInput(f"{path}:{lineno}: invalid UTF-8 byte 0x{raw[exc.start]:02x} at byte offset "
+                               f"{offset + exc.start}; convert the file to UTF-8 (e.g. iconv)") from None
             offset += nbytes
             yield lineno, line.rstrip("\r\n"), nbytes
 
@@ -305,10 +306,10 @@ def _iter_jsonl(path: Path, limits: TextLimits, skipped: SkipCounts) -> Iterator
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            raise BadInput(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         text = record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field 'text'")
+            raise BadInput(f"{path}:{lineno}: expected a JSON object with a string field 'text'")
         yield text, nbytes
 
 
@@ -368,12 +369,12 @@ def _iter_wikiextractor(path: Path, limits: TextLimits, skipped: SkipCounts) -> 
             continue
         if _WIKI_HEADER.fullmatch(text):
             if opened:
-                raise ValueError(f"{path}:{opened}: unterminated <doc>: a new <doc> starts at line {lineno} before "
-                                 f"its </doc>; is this WikiExtractor output that was cut short?")
+                raise BadInput(f"{path}:{opened}: unterminated <doc>: a new <doc> starts at line {lineno} before "
+                               f"its </doc>; is this WikiExtractor output that was cut short?")
             opened, title = lineno, True
         elif not opened and text:
-            raise ValueError(f"{path}:{lineno}: text outside a <doc ...> ... </doc> block: {text[:60]!r}; pass "
-                             f"--input-format bert or jsonl if this file is not WikiExtractor output")
+            raise BadInput(f"{path}:{lineno}: text outside a <doc ...> ... </doc> block: {text[:60]!r}; pass "
+                           f"--input-format bert or jsonl if this file is not WikiExtractor output")
         elif title:
             title = False
         elif text:
@@ -385,8 +386,8 @@ def _iter_wikiextractor(path: Path, limits: TextLimits, skipped: SkipCounts) -> 
             held += nbytes
         size += nbytes
     if opened:
-        raise ValueError(f"{path}:{opened}: unterminated <doc>: the file ends at line {lineno} before its </doc>; "
-                         f"is this WikiExtractor output that was cut short?")
+        raise BadInput(f"{path}:{opened}: unterminated <doc>: the file ends at line {lineno} before its </doc>; "
+                       f"is this WikiExtractor output that was cut short?")
     if size:
         yield "", size
 
@@ -396,8 +397,8 @@ def _parquet_module(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"{path}: reading Parquet needs pyarrow, an optional dependency: "
-                         f"pip install 'bert_ds[parquet]'") from None
+        raise BadInput(f"{path}: reading Parquet needs pyarrow, an optional dependency: "
+                       f"pip install 'bert_ds[parquet]'") from None
     return pq
 
 
@@ -412,14 +413,14 @@ def _iter_parquet(path: Path, limits: TextLimits, skipped: SkipCounts) -> Iterat
         with pq.ParquetFile(path, buffer_size=_PARQUET_BUFFER_BYTES, pre_buffer=False) as pf:
             schema = pf.schema_arrow
             if "text" not in schema.names:
-                raise ValueError(f"{path}: no 'text' column; its columns are: {', '.join(schema.names) or 'none'}")
+                raise BadInput(f"{path}: no 'text' column; its columns are: {', '.join(schema.names) or 'none'}")
             kind = schema.field("text").type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise ValueError(f"{path}: column 'text' holds {kind}, not strings")
+                raise BadInput(f"{path}: column 'text' holds {kind}, not strings")
             for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=["text"]):
                 yield from _parquet_texts(batch.column(0), limits, skipped)
     except pa.ArrowException as exc:
-        raise ValueError(f"{path}: not readable as Parquet: {exc}") from None
+        raise BadInput(f"{path}: not readable as Parquet: {exc}") from None
 
 
 def _parquet_texts(column, limits: TextLimits, skipped: SkipCounts) -> Iterator[tuple[str, int]]:

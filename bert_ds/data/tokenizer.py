@@ -15,6 +15,7 @@ loader, the shard index and the exporter ask here instead of parsing the files t
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import itertools
@@ -33,7 +34,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
 from bert_ds.data.text import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SENTENCE_CHARS,
@@ -45,7 +47,7 @@ from bert_ds.data.text import (
     input_files,
     iter_training_texts,
 )
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput
 
 __all__ = [
     "SPECIAL_TOKENS", "VOCAB_NAME", "META_NAME", "WordPieceTokenizer", "read_vocab", "read_lowercase", "vocab_sha256",
@@ -77,9 +79,9 @@ def read_vocab(path: str | Path) -> list[str]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 at byte {exc.start}") from exc
+        raise BadInput(f"{path}: not UTF-8 at byte {exc.start}") from exc
     if not text:
-        raise ValueError(f"{path}: empty vocabulary")
+        raise BadInput(f"{path}: empty vocabulary")
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()  # the final newline ends the last line
@@ -87,8 +89,8 @@ def read_vocab(path: str | Path) -> list[str]:
     first_line: dict[str, int] = {}
     for i, token in enumerate(tokens):
         if token in first_line:
-            raise ValueError(f"{path}: token {token!r} on line {first_line[token] + 1} and again on line {i + 1}; "
-                             f"ids are line numbers, so every line must hold a different token")
+            raise BadInput(f"{path}: token {token!r} on line {first_line[token] + 1} and again on line {i + 1}; "
+                           f"ids are line numbers, so every line must hold a different token")
         first_line[token] = i
     return tokens
 
@@ -118,7 +120,7 @@ def directory_vocabulary(directory: str | Path) -> tuple[list[str | None], Path]
         by_id = {int(i): t for t, i in ((spec.get("model") or {}).get("vocab") or {}).items()}
         by_id.update({int(a["id"]): a["content"] for a in spec.get("added_tokens") or []})
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
-        raise ValueError(f"{path}: not a tokenizer.json with a token -> id vocabulary ({exc})") from exc
+        raise BadInput(f"{path}: not a tokenizer.json with a token -> id vocabulary ({exc})") from exc
     return [by_id.get(i) for i in range(max(by_id) + 1 if by_id else 0)], path
 
 
@@ -152,12 +154,12 @@ def read_lowercase(directory: str | Path) -> bool:
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+            raise BadInput(f"{path}: not valid JSON: {exc}") from exc
         if key not in config and name == _HF_CONFIG_NAME:
             continue  # an HF config need not record it: the default below is HF's own
         value = config.get(key)
         if not isinstance(value, bool):
-            raise ValueError(f"{path}: field '{key}' must be true or false, got {value!r}")
+            raise BadInput(f"{path}: field '{key}' must be true or false, got {value!r}")
         return value
     return True
 
@@ -201,7 +203,7 @@ class WordPieceTokenizer:
     def token_id(self, token: str) -> int:
         tid = self.tokenizer.token_to_id(token)
         if tid is None:
-            raise ValueError(f"{self.vocab_file}: special token {token} is missing from the vocabulary")
+            raise BadInput(f"{self.vocab_file}: special token {token} is missing from the vocabulary")
         return tid
 
     @property
@@ -385,7 +387,7 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
     created if missing and used if empty; one holding anything is refused unless ``overwrite``, and then only the
     three files are replaced (the directory itself and anything else in it are left alone)."""
     if vocab_size < len(SPECIAL_TOKENS) + 1:
-        raise ValueError(f"vocab_size={vocab_size} is too small (needs room beyond {len(SPECIAL_TOKENS)} specials)")
+        raise BadInput(f"vocab_size={vocab_size} is too small (needs room beyond {len(SPECIAL_TOKENS)} specials)")
     limits = TextLimits(max_document_bytes, max_sentence_chars)
     files = input_files(inputs)
     for path in files:  # a file no format fits fails here, not inside the trainer
@@ -404,8 +406,8 @@ def train_tokenizer(inputs: Sequence[str | Path], out_dir: str | Path, vocab_siz
             note = (f" ({skipped.long_lines} line(s) over max_document_bytes={max_document_bytes} and "
                     f"{skipped.long_sentences} over max_sentence_chars={max_sentence_chars} skipped)"
                     if skipped.long_lines or skipped.long_sentences else "")
-            raise ValueError(f"no text to train a tokenizer on in {', '.join(str(f) for f in files[:5])}"
-                             f"{', ...' if len(files) > 5 else ''}{note}")
+            raise BadInput(f"no text to train a tokenizer on in {', '.join(str(f) for f in files[:5])}"
+                           f"{', ...' if len(files) > 5 else ''}{note}")
         _write_trained(stage, out, tok, seeds, not cased, limits, skipped)
         _install(stage, out)
     return out
@@ -492,7 +494,7 @@ def load_tokenizer(directory: str | Path) -> WordPieceTokenizer:
     vocab = read_vocab(vocab_file)
     missing = [t for t in SPECIAL_TOKENS if t not in set(vocab)]
     if missing:
-        raise ValueError(f"{vocab_file}: special token(s) {missing} missing from the vocabulary")
+        raise BadInput(f"{vocab_file}: special token(s) {missing} missing from the vocabulary")
     lowercase = read_lowercase(directory)
     tok = _bert_pipeline({t: i for i, t in enumerate(vocab)}, lowercase)
     inner: Tokenizer = tok._tokenizer
@@ -518,9 +520,11 @@ class TrainTokenizerArgs(InputArgs):
     """Replace the tokenizer files of a non-empty --out."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(TrainTokenizerArgs, "bert-ds-train-tokenizer", __doc__.splitlines()[0])
-    return run_main(parser.prog, _run, parse(TrainTokenizerArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(TrainTokenizerArgs, "bert-ds-train-tokenizer", __doc__.splitlines()[0])
+
+
+main = alias("train-tokenizer")
 
 
 def _run(args: TrainTokenizerArgs) -> None:

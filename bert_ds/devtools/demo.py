@@ -34,6 +34,7 @@ Command line (what ``make demo`` runs): ``bert-ds-demo [--out demo_run] [--quick
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -49,10 +50,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bert_ds.cli_args import build_parser, defaults_of, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of
 from bert_ds.devtools.heldout_dedup import DedupReport, DedupRule, deduplicate_file, leaks, read_documents
 from bert_ds.devtools.pretraining_gain import MIN_GAIN, TASK
-from bert_ds.errors import StepFailed, run_main
+from bert_ds.errors import StepFailed
 from bert_ds.exit_codes import ExitCode
 
 if TYPE_CHECKING:
@@ -592,26 +594,24 @@ class DemoArgs:
     and the fine-tuning gain without requiring them."""
 
 
-def _demo(args: DemoArgs) -> None:
-    """The demo's steps; what :func:`run_demo` returns is its report, not an exit status."""
-    run_demo(args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(DemoArgs, "bert-ds-demo", "The bert_ds demo: real English text -> tokenizer -> shards -> "
+                        "both phases with ZeRO-2 and LAMB on 2 CPU ranks -> Hugging Face export -> held-out accuracy "
+                        "vs the unigram baseline and fill-mask -> plot.")
 
 
-def main(argv: list[str] | None = None) -> int:
+main = alias("demo")
+
+
+def _run(args: DemoArgs) -> None:
     """``bert-ds-demo`` / ``tools/demo.py`` (``make demo``). Exit status 0 when the export reaches ``MIN_RATIO`` times
     the unigram baseline on held-out text and fine-tuning it beats random init by ``MIN_GAIN`` (``--quick`` only
-    reports both), 1 when a step fails or either falls short, 2 when OUT is not the demo's directory. A second run
-    reuses OUT/data when the corpus and settings are unchanged."""
-    parser = build_parser(DemoArgs, "bert-ds-demo", "The bert_ds demo: real English text -> tokenizer -> shards -> "
-                          "both phases with ZeRO-2 and LAMB on 2 CPU ranks -> Hugging Face export -> held-out accuracy "
-                          "vs the unigram baseline and fill-mask -> plot.")
-    args = parse(DemoArgs, parser, argv)
+    reports both), 1 when a step fails or either falls short (a DemoError), 2 when OUT is not the demo's directory
+    (NotDemoDirectory: nothing was touched, a usage error). A second run reuses OUT/data when the corpus and settings
+    are unchanged. What :func:`run_demo` returns is its report, not an exit status."""
     start = time.monotonic()
-    # NotDemoDirectory exits 2 (nothing was touched: a usage error), any other DemoError 1.
-    code = run_main(parser.prog, _demo, args)
-    if code == 0:
-        print(f"demo finished in {time.monotonic() - start:.0f} s")
-    return code
+    run_demo(args.out, quick=args.quick, min_ratio=None if args.quick else MIN_RATIO)
+    print(f"demo finished in {time.monotonic() - start:.0f} s")
 
 
 if __name__ == "__main__":

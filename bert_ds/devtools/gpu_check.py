@@ -27,6 +27,7 @@ with ``TRITON_INTERPRET`` set for them (triton fixes the mode at import). Result
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import gc
@@ -48,7 +49,8 @@ from pathlib import Path
 import torch
 
 import bert_ds.kernels as kernels
-from bert_ds.cli_args import build_parser, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, option
 from bert_ds.config import BertConfig, model_preset
 from bert_ds.devtools.bench_step import BenchStep, predictions_for, synthetic_batch
 from bert_ds.devtools.golden_resume import CUBLAS_WORKSPACE
@@ -68,7 +70,6 @@ from bert_ds.devtools.gpu_rules import (
     speed_rule,
     twin_rule,
 )
-from bert_ds.errors import run_main
 from bert_ds.runtime.metrics import peak_tflops_for, training_flops_per_sequence
 
 __all__ = ["Item", "check_kernels", "jit_matches_aot", "main", "measure_kernel_speed", "measure_training",
@@ -871,9 +872,11 @@ class GpuCheckArgs:
     """internal: run one section in this process and write its items to --out"""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser(GpuCheckArgs, "bert-ds-gpu-check", __doc__.split("\n\n")[0])
-    return run_main(parser.prog, _check, parse(GpuCheckArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(GpuCheckArgs, "bert-ds-gpu-check", __doc__.split("\n\n")[0])
+
+
+main = alias("gpu-check")
 
 
 def _check(args: GpuCheckArgs) -> int:

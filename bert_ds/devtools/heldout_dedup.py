@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bert_ds.errors import BadInput
+
 __all__ = ["DedupRule", "DedupReport", "normalise", "deduplicate", "leaks", "read_documents", "write_documents",
            "deduplicate_file"]
 
@@ -47,10 +49,10 @@ class DedupRule:
 
     def __post_init__(self) -> None:
         if self.ngram < 1:
-            raise ValueError(f"ngram must be >= 1, got {self.ngram!r}")
+            raise BadInput(f"ngram must be >= 1, got {self.ngram!r}")
         for name in ("near_share", "twin_share"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+                raise BadInput(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,6 @@ def deduplicate_file(train: Path, heldout: Path, rule: DedupRule = DedupRule()) 
     """:func:`deduplicate` on two BERT-layout files; ``heldout`` is rewritten with what is kept."""
     kept, report = deduplicate(read_documents(train), read_documents(heldout), rule)
     if not kept:
-        raise ValueError(f"{heldout}: every held-out sentence duplicates the training text {train}")
+        raise BadInput(f"{heldout}: every held-out sentence duplicates the training text {train}")
     write_documents(heldout, kept)
     return report

@@ -30,6 +30,8 @@ ROOMS: tuple[tuple[str, str], ...] = (
     ("exit_codes", "the exit-code table every command ends with: imports nothing"),
     ("errors", "typed errors carry their exit code; the one error writer: only the table below it"),
     ("cli_args", "command lines generated from dataclasses, used by every command: imports nothing of ours"),
+    ("cli", "the front door: a table of commands by module name, imported only when one runs, so every command "
+            "takes its main from it (an alias): it imports only the argument and error floors"),
     ("deepspeed_internals", "every DeepSpeed-version fact, a leaf, so nothing else reads DeepSpeed's private state"),
     ("safe_load", "allow-listed torch.load for every checkpoint file: DeepSpeed's pickled classes and the errors"),
     ("config", "the model's shape in Hugging Face's BertConfig names"),
@@ -45,7 +47,6 @@ ROOMS: tuple[tuple[str, str], ...] = (
     ("runtime", "what runs on every rank: pre-flight, engine, step loop; it arms what lifecycle provides"),
     ("downstream", "fine-tuning and features on exported models"),
     ("devtools", "tooling beside the product: demo, GPU checks, benchmarks, this plan"),
-    ("cli", "the front door: runs every command by name, so it sits on top"),
 )
 """The declared room order, bottom to top, with why each room sits where it does. A room may import the rooms below
 it; an import of a room above it is an arrow up."""

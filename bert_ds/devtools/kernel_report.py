@@ -14,25 +14,27 @@ architecture it is built for.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from bert_ds.cli_args import build_parser, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, option
 from bert_ds.devtools.recipe_launches import shipped_launches
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 from bert_ds.kernels import aot
 from bert_ds.kernels.jit import triton_version_problem
 
 __all__ = ["main"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-kernel-report`` / ``tools/kernel_report.py``: exit 0 when every build passes its checks, 1 when one
-    fails (or, with --controls, when a known-bad variant passes)."""
-    parser = build_parser(ReportArgs, "bert-ds-kernel-report", __doc__.splitlines()[0])
-    return run_main(parser.prog, _report, parse(ReportArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(ReportArgs, "bert-ds-kernel-report", __doc__.splitlines()[0])
+
+
+main = alias("kernel-report")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,9 @@ def recipe_builds(targets) -> tuple[list[aot.Build], dict[str, str]]:
     return aot.builds_from_launches(launches, targets), refused
 
 
-def _report(args: ReportArgs) -> int:
+def _run(args: ReportArgs) -> int:
+    """``bert-ds-kernel-report`` / ``tools/kernel_report.py``: exit 0 when every build passes its checks, 1 when one
+    fails (or, with --controls, when a known-bad variant passes)."""
     problem = triton_version_problem()
     if problem is not None:
         raise BadInput(f"cannot build the kernels ahead of time: {problem}")

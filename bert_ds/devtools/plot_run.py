@@ -11,13 +11,15 @@ display) and tensorboard (installed with bert_ds). Exit status 2 when there is n
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
-from bert_ds.errors import run_main
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
+from bert_ds.errors import BadInput
 
 __all__ = ["PANELS", "PlotResult", "find_event_dir", "main", "plot_run", "read_scalars"]
 
@@ -135,7 +137,7 @@ def _draw_panel(ax, title: str, ylabel: str, series: list[tuple[str, str, str]],
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> PlotResult:
     """Write the run's curves to ``out`` (default ``RUN_DIR/curves.png``); returns the path and the tags drawn.
-    Raises FileNotFoundError without event files and ValueError when they hold none of the plotted tags."""
+    Raises FileNotFoundError without event files and BadInput when they hold none of the plotted tags."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
@@ -146,8 +148,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     scalars = read_scalars(event_dir)
     wanted = [tag for _, _, series in PANELS for tag, _, _ in series]
     if not any(tag in scalars for tag in wanted):
-        raise ValueError(f"{event_dir}: the event files hold none of the plotted tags {wanted} "
-                         f"(found {sorted(scalars) or 'no scalars'})")
+        raise BadInput(f"{event_dir}: the event files hold none of the plotted tags {wanted} "
+                       f"(found {sorted(scalars) or 'no scalars'})")
     meta_dir = run_dir if event_dir != run_dir else run_dir.parent
     spans = _phase_spans(scalars, meta_dir)
     last_step = max(steps[-1] for steps, _ in scalars.values() if steps)
@@ -181,13 +183,15 @@ class PlotArgs:
     """Figure title (default: the run directory's name)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-plot-run`` / ``tools/plot_run.py``: exit 0 after writing the PNG, 2 when there is nothing to plot."""
-    parser = build_parser(PlotArgs, "bert-ds-plot-run", __doc__.split("\n\n")[0])
-    return run_main(parser.prog, _run, parse(PlotArgs, parser, argv))
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(PlotArgs, "bert-ds-plot-run", __doc__.split("\n\n")[0])
+
+
+main = alias("plot-run")
 
 
 def _run(args: PlotArgs) -> int:
+    """``bert-ds-plot-run`` / ``tools/plot_run.py``: exit 0 after writing the PNG, 2 when there is nothing to plot."""
     result = plot_run(args.run_dir, args.out, args.title)
     note = f" (not in this run: {', '.join(result.missing)})" if result.missing else ""
     print(f"wrote {result.path}: {len(result.tags)} curves{note}")

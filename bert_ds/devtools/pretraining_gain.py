@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bert_ds.devtools.heldout_dedup import read_documents
+from bert_ds.errors import BadInput
 
 __all__ = ["GainSettings", "GainResult", "usable_sentences", "word_order_examples", "write_word_order_task",
            "random_init_copy", "compare"]
@@ -55,9 +56,9 @@ class GainSettings:
     def __post_init__(self) -> None:
         for name in ("n_train", "n_eval", "batch_size", "max_seq_length"):
             if getattr(self, name) < 2:
-                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)!r}")
+                raise BadInput(f"{name} must be >= 2, got {getattr(self, name)!r}")
         if not self.seeds or not self.learning_rates:
-            raise ValueError(f"seeds and learning_rates need a value each, got {self.seeds!r}, {self.learning_rates!r}")
+            raise BadInput(f"seeds and learning_rates need a value each, got {self.seeds!r}, {self.learning_rates!r}")
 
 
 @dataclass
@@ -114,7 +115,7 @@ def word_order_examples(text: Path, count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     sentences = usable_sentences(text)
     if len(sentences) < count:
-        raise ValueError(f"{text}: only {len(sentences)} usable sentences, {count} wanted")
+        raise BadInput(f"{text}: only {len(sentences)} usable sentences, {count} wanted")
     rng.shuffle(sentences)
     return [{"text": " ".join(_shuffled(words, rng) if i % 2 else words), "label": SHUFFLED if i % 2 else ORIGINAL}
             for i, words in enumerate(sentences[:count])]

@@ -19,6 +19,7 @@ The array is written through a memory map batch by batch, so memory stays at one
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -30,8 +31,9 @@ import numpy as np
 import torch
 
 from bert_ds import cli_args
+from bert_ds.cli import alias
 from bert_ds.cli_args import option
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["PAIR_SEPARATOR", "COMBINATIONS", "POOLINGS", "FeatureSpec", "parse_layers", "default_layers",
            "resolve_layers", "read_sequences", "combine_layers", "pool", "extract_features", "main"]
@@ -55,13 +57,13 @@ class FeatureSpec:
 
     def __post_init__(self) -> None:
         if self.layers is not None and not self.layers:
-            raise ValueError("layers: give at least one layer index")
+            raise BadInput("layers: give at least one layer index")
         if self.layers is not None and len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"layers={list(self.layers)}: an index is repeated")
+            raise BadInput(f"layers={list(self.layers)}: an index is repeated")
         if self.combine not in COMBINATIONS:
-            raise ValueError(f"combine={self.combine!r}: choose one of {COMBINATIONS}")
+            raise BadInput(f"combine={self.combine!r}: choose one of {COMBINATIONS}")
         if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling={self.pooling!r}: choose one of {POOLINGS}")
+            raise BadInput(f"pooling={self.pooling!r}: choose one of {POOLINGS}")
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -69,7 +71,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError as exc:
-        raise ValueError(f"layers={text!r}: expected comma-separated integers such as -1,-2,-3,-4") from exc
+        raise BadInput(f"layers={text!r}: expected comma-separated integers such as -1,-2,-3,-4") from exc
 
 
 def default_layers(num_hidden_layers: int) -> tuple[int, ...]:
@@ -83,11 +85,11 @@ def resolve_layers(layers: tuple[int, ...], num_hidden_layers: int) -> list[int]
     resolved = []
     for layer in layers:
         if not -count <= layer < count:
-            raise ValueError(f"layer {layer}: the model has {num_hidden_layers} layers, so indices run from "
-                             f"{-count} to {num_hidden_layers} (0 and {-count} = the embedding output)")
+            raise BadInput(f"layer {layer}: the model has {num_hidden_layers} layers, so indices run from "
+                           f"{-count} to {num_hidden_layers} (0 and {-count} = the embedding output)")
         resolved.append(layer % count)
     if len(set(resolved)) != len(resolved):
-        raise ValueError(f"layers={list(layers)} name the same layer twice ({resolved} counted from 0)")
+        raise BadInput(f"layers={list(layers)} name the same layer twice ({resolved} counted from 0)")
     return resolved
 
 
@@ -102,10 +104,10 @@ def read_sequences(path: str | Path) -> list[tuple[int, str, str | None]]:
                 continue
             a, sep, b = line.partition(PAIR_SEPARATOR.strip())
             if sep and (not a.strip() or not b.strip()):
-                raise ValueError(f"{path}:{number}: a pair needs text on both sides of {PAIR_SEPARATOR.strip()!r}")
+                raise BadInput(f"{path}:{number}: a pair needs text on both sides of {PAIR_SEPARATOR.strip()!r}")
             sequences.append((number, a.strip(), b.strip() if sep else None))
     if not sequences:
-        raise ValueError(f"{path}: no text (every line is empty)")
+        raise BadInput(f"{path}: no text (every line is empty)")
     return sequences
 
 
@@ -160,12 +162,12 @@ def extract_features(model_dir: str | Path, input_file: str | Path, out_file: st
 
     out = Path(out_file)
     if out.suffix != ".npy":
-        raise ValueError(f"{out}: the output must end in .npy")
+        raise BadInput(f"{out}: the output must end in .npy")
     sequences = read_sequences(input_file)
     config = transformers.AutoConfig.from_pretrained(model_dir)  # refusals first, before any weights are read
     if max_seq_length > config.max_position_embeddings:
-        raise ValueError(f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings="
-                         f"{config.max_position_embeddings}")
+        raise BadInput(f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings="
+                       f"{config.max_position_embeddings}")
     layers = spec.layers or default_layers(config.num_hidden_layers)
     if spec.layers is None and len(layers) < 4:
         log.info("the model has %d encoder layers: combining all of them (%s), not the last four",
@@ -231,19 +233,20 @@ class FeaturesArgs:
     """Torch device (default: cuda if available, else cpu)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-extract-features`` / ``tools/extract_features.py``: exit 0 after writing, 2 for bad input."""
-    parser = cli_args.build_parser(FeaturesArgs, "bert-ds-extract-features", "Write fixed BERT features of a text "
-                                   "file (BERT paper §5.3) to .npy, with a .json sidecar describing them.")
-    args = cli_args.parse(FeaturesArgs, parser, argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    return run_main(parser.prog, _run, args)
+def cli_parser() -> argparse.ArgumentParser:
+    return cli_args.build_parser(FeaturesArgs, "bert-ds-extract-features", "Write fixed BERT features of a text "
+                                 "file (BERT paper §5.3) to .npy, with a .json sidecar describing them.")
+
+
+main = alias("extract-features")
 
 
 def _run(args: FeaturesArgs) -> int:
+    """``bert-ds-extract-features`` / ``tools/extract_features.py``: exit 0 after writing, 2 for bad input."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     for name in ("max_seq_length", "batch_size"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     spec = FeatureSpec(parse_layers(args.layers) if args.layers is not None else None, args.combine, args.pooling)
     sidecar = extract_features(args.model, args.input, args.out, spec, max_seq_length=args.max_seq_length,
                                batch_size=args.batch_size, device=args.device)

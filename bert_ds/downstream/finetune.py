@@ -36,13 +36,14 @@ import numpy as np
 import torch
 
 from bert_ds import cli_args
+from bert_ds.cli import alias
 from bert_ds.cli_args import option
 from bert_ds.downstream import qa
 from bert_ds.downstream.identity import check_vocabulary, file_sha256, model_sha256
 from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
 from bert_ds.downstream.readers import DownstreamInputError, read_split
 from bert_ds.downstream.tasks import MAX_SEQ_LENGTH, QA_MAX_SEQ_LENGTH, TASKS, TaskSpec, task_spec
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput
 from bert_ds.export.convert import apply_umask
 
 __all__ = ["METRICS_NAME", "PREDICTIONS_NAME", "FinetuneArgs", "label_names", "split_files", "check_casing",
@@ -121,27 +122,27 @@ class FinetuneArgs:
     """Log the training loss every N steps."""
 
     def __post_init__(self) -> None:
-        self.spec = task_spec(self.task)  # ValueError listing the presets
+        self.spec = task_spec(self.task)  # BadInput listing the presets
         if self.max_seq_length is None:
             self.max_seq_length = self.spec.max_seq_length
         if self.device is None:
             self.device = "auto"
         if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r}: choose one of {DEVICES}")
+            raise BadInput(f"device={self.device!r}: choose one of {DEVICES}")
         if self.spec.shape not in ("classification", "regression") and self.text_pair_column:
-            raise ValueError(f"text_pair_column is for sentence-pair tasks, not {self.spec.shape!r}")
+            raise BadInput(f"text_pair_column is for sentence-pair tasks, not {self.spec.shape!r}")
         for name in ("max_seq_length", "batch_size", "logging_steps", "gradient_accumulation_steps", "n_best",
                      "max_answer_length", "max_query_length", "doc_stride"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+                raise BadInput(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.epochs > 0 or not self.learning_rate > 0:
-            raise ValueError(f"epochs and learning_rate must be > 0, got {self.epochs!r} and {self.learning_rate!r}")
+            raise BadInput(f"epochs and learning_rate must be > 0, got {self.epochs!r} and {self.learning_rate!r}")
         if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction!r}")
+            raise BadInput(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction!r}")
         if self.train_file is None and self.data_dir is None:
-            raise ValueError("give --data-dir or --train")
+            raise BadInput("give --data-dir or --train")
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            raise ValueError(f"deepspeed={self.deepspeed!r}: no such file")
+            raise BadInput(f"deepspeed={self.deepspeed!r}: no such file")
 
     def columns(self) -> dict[str, str]:
         """Column overrides for generic CSV/JSON-lines tasks (``--text-column`` etc.)."""
@@ -161,7 +162,7 @@ def split_files(spec: TaskSpec, data_dir: str | Path | None, train: str | None =
         if spec.glue_dir and (root / spec.glue_dir).is_dir():
             root = root / spec.glue_dir
         if not spec.splits:
-            raise ValueError(f"task {spec.name!r} has no file names; give --train/--validation")
+            raise BadInput(f"task {spec.name!r} has no file names; give --train/--validation")
         for split in ("train", *spec.eval_splits):
             path = root / spec.splits[split]
             if not path.is_file():
@@ -172,7 +173,7 @@ def split_files(spec: TaskSpec, data_dir: str | Path | None, train: str | None =
     if validation:
         files = {k: v for k, v in files.items() if k == "train"} | {"dev": Path(validation)}
     if "train" not in files:
-        raise ValueError("no training file")
+        raise BadInput("no training file")
     return files
 
 
@@ -194,7 +195,7 @@ def _labels(spec: TaskSpec, train: list[dict], source: Path) -> list[str] | None
     values = [t for r in train for t in r["tags"]] if spec.shape == "token" else [r["label"] for r in train]
     labels = label_names([v for v in values if v is not None])
     if len(labels) < 2:
-        raise ValueError(f"{source}: only one distinct label {labels}; a classifier needs at least two")
+        raise BadInput(f"{source}: only one distinct label {labels}; a classifier needs at least two")
     return labels
 
 
@@ -229,7 +230,10 @@ def _recorded_lowercase(directory: Path) -> bool | None:
     for name, key in (("tokenizer_meta.json", "lowercase"), ("tokenizer_config.json", "do_lower_case")):
         path = directory / name
         if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get(key)
+            try:
+                value = json.loads(path.read_text(encoding="utf-8")).get(key)
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise BadInput(f"{path}: not a JSON object ({exc})") from exc
             if isinstance(value, bool):
                 return value
     return None
@@ -241,7 +245,10 @@ def _vocab_lowercase(directory: Path) -> bool | None:
     vocab = directory / "vocab.txt"
     if not vocab.is_file():
         return None
-    tokens = [t for t in vocab.read_text(encoding="utf-8").split("\n") if t and not t.startswith("[")]
+    try:
+        tokens = [t for t in vocab.read_text(encoding="utf-8").split("\n") if t and not t.startswith("[")]
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{vocab}: not UTF-8 at byte {exc.start}") from exc
     return not any("A" <= c <= "Z" for t in tokens for c in t)
 
 
@@ -271,9 +278,9 @@ def check_casing(model_dir: str | Path, tokenizer) -> bool | None:
     tokenizer_lower = _tokenizer_lowercase(tokenizer)
     if None not in (model_lower, tokenizer_lower) and model_lower != tokenizer_lower:
         kind = {True: "uncased (lower-cases its input)", False: "cased (keeps upper case)"}
-        raise ValueError(f"tokenizer {tokenizer.name_or_path}: {kind[tokenizer_lower]}, but model {model_dir} was "
-                         f"trained {kind[model_lower].split(' ')[0]}; use the model's own tokenizer or one with "
-                         f"do_lower_case={model_lower}")
+        raise BadInput(f"tokenizer {tokenizer.name_or_path}: {kind[tokenizer_lower]}, but model {model_dir} was "
+                       f"trained {kind[model_lower].split(' ')[0]}; use the model's own tokenizer or one with "
+                       f"do_lower_case={model_lower}")
     return tokenizer_lower
 
 
@@ -293,8 +300,8 @@ def _load(args: FinetuneArgs, labels: list[str] | None):
     spec = args.spec
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     if spec.shape in ("token", "qa") and not tokenizer.is_fast:
-        raise ValueError(f"{args.tokenizer or args.model}: {spec.shape} needs a fast tokenizer (tokenizer.json) to "
-                         "map WordPieces to words and characters")
+        raise BadInput(f"{args.tokenizer or args.model}: {spec.shape} needs a fast tokenizer (tokenizer.json) to "
+                       "map WordPieces to words and characters")
     check_casing(args.model, tokenizer)
     config = transformers.AutoConfig.from_pretrained(args.model)
     check_vocabulary(args.model, tokenizer, args.tokenizer, config.vocab_size)
@@ -311,7 +318,7 @@ def _load(args: FinetuneArgs, labels: list[str] | None):
     model = _head(spec.shape).from_pretrained(args.model, ignore_mismatched_sizes=True, **kwargs)
     max_len = model.config.max_position_embeddings
     if args.max_seq_length > max_len:
-        raise ValueError(f"max_seq_length={args.max_seq_length} exceeds the model's max_position_embeddings={max_len}")
+        raise BadInput(f"max_seq_length={args.max_seq_length} exceeds the model's max_position_embeddings={max_len}")
     return tokenizer, model
 
 
@@ -369,7 +376,7 @@ def _encode_choices(records, tokenizer, args, label2id, source) -> tuple[list[di
             example["labels"] = int(r["label"])
         examples.append(example)
     if len({len(e["input_ids"]) for e in examples}) > 1:
-        raise ValueError(f"{source}: examples have different numbers of choices; a batch needs the same number")
+        raise BadInput(f"{source}: examples have different numbers of choices; a batch needs the same number")
     return examples, truncated
 
 
@@ -465,9 +472,9 @@ def _deepspeed_config(args: FinetuneArgs, world: int) -> dict:
     try:
         config = json.loads(Path(args.deepspeed).read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{args.deepspeed}: not valid JSON: {exc}") from None
+        raise BadInput(f"{args.deepspeed}: not valid JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{args.deepspeed}: a DeepSpeed config is a JSON object")
+        raise BadInput(f"{args.deepspeed}: a DeepSpeed config is a JSON object")
     wanted = {"train_micro_batch_size_per_gpu": args.batch_size,
               "gradient_accumulation_steps": args.gradient_accumulation_steps,
               "train_batch_size": args.batch_size * args.gradient_accumulation_steps * world}
@@ -475,8 +482,8 @@ def _deepspeed_config(args: FinetuneArgs, world: int) -> dict:
         if config.get(key, "auto") == "auto":
             config[key] = value
         elif config[key] != value:
-            raise ValueError(f"{args.deepspeed}: {key}={config[key]!r} but the arguments give {value} "
-                             "(--batch-size, --gradient-accumulation-steps, ranks); use \"auto\"")
+            raise BadInput(f"{args.deepspeed}: {key}={config[key]!r} but the arguments give {value} "
+                           "(--batch-size, --gradient-accumulation-steps, ranks); use \"auto\"")
     return config
 
 
@@ -484,7 +491,7 @@ def _training_arguments(args: FinetuneArgs, work_dir: Path, train_examples: int)
     import transformers
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no GPU; use --device cpu or auto")
+        raise BadInput("device='cuda' but torch sees no GPU; use --device cpu or auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     batches = math.ceil(train_examples / (args.batch_size * world)) / args.gradient_accumulation_steps
     steps = math.ceil(math.ceil(batches) * args.epochs)
@@ -541,7 +548,7 @@ def _encode_splits(args: FinetuneArgs, files: dict[str, Path], records: dict[str
         truncated += n
     for split in (s for s in files if s != "train"):
         if any("labels" not in ex for ex in encoded[split]):
-            raise ValueError(f"{files[split]}: no labels (a test file?); evaluation needs a labelled file")
+            raise BadInput(f"{files[split]}: no labels (a test file?); evaluation needs a labelled file")
     return encoded["train"], encoded, truncated
 
 
@@ -595,7 +602,7 @@ def finetune(args: FinetuneArgs) -> dict:
     spec = args.spec
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: already exists and is not an empty directory; choose another --out")
+        raise BadInput(f"{out}: already exists and is not an empty directory; choose another --out")
     files = split_files(spec, args.data_dir, args.train_file, args.validation_file)
     columns = args.columns() if spec.format == "records" else None
     records = {split: read_split(spec, path, columns=columns, training=split == "train")
@@ -642,10 +649,6 @@ def build_parser(prog: str = "bert-ds-finetune") -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_args(argv: list[str] | None) -> FinetuneArgs:
-    return cli_args.parse(FinetuneArgs, build_parser(), argv)
-
-
 def _summary(metrics: dict) -> str:
     main_metric, lines = metrics["main_metric"], []
     for split, scores in metrics["eval"].items():
@@ -659,18 +662,16 @@ def _summary(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+main = alias("finetune")
+
+
+def _run(args: FinetuneArgs) -> int:
     """``bert-ds-finetune`` / ``tools/finetune.py``: exit 0 after writing the model, 2 for bad input."""
-    args = _parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.device == "cpu" or not torch.cuda.is_available():
         # accelerate (under Trainer) imports deepspeed when it is installed, which then warns that it "was unable to
         # detect" a GPU; name the CPU accelerator it would pick anyway.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return run_main("bert-ds-finetune", _run, args)
-
-
-def _run(args: FinetuneArgs) -> int:
     metrics = finetune(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wrote {args.out}: {metrics['steps']} steps, mean training loss {metrics['train_loss']:.4f}")

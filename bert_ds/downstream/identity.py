@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from bert_ds.data.tokenizer import directory_vocabulary, vocabulary_difference
+from bert_ds.errors import BadInput
 
 __all__ = ["MODEL_FILES", "WEIGHT_SUFFIXES", "file_sha256", "model_sha256", "check_vocabulary"]
 
@@ -55,8 +56,8 @@ def model_sha256(directory: str | Path) -> str:
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and (
         p.name in MODEL_FILES or p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(".index.json")))
     if not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
-        raise ValueError(f"{directory}: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) to identify "
-                         "the model by")
+        raise BadInput(f"{directory}: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) to identify "
+                       "the model by")
     lines = "".join(f"{name} {file_sha256(directory / name)}\n" for name in names)
     return hashlib.sha256(lines.encode("utf-8")).hexdigest()
 
@@ -71,7 +72,7 @@ def _tokens_by_id(tokenizer) -> list[str | None]:
 
 def check_vocabulary(model_dir: str | Path, tokenizer, tokenizer_dir: str | Path | None,
                      config_vocab_size: int) -> None:
-    """Refuse (ValueError, one line) a ``tokenizer_dir`` other than ``model_dir`` whose vocabulary differs from the
+    """Refuse (BadInput, one line) a ``tokenizer_dir`` other than ``model_dir`` whose vocabulary differs from the
     model directory's own, naming the first id that differs (or the sizes), and any tokenizer with more ids than the
     model's ``config.vocab_size`` embedding rows. A tokenizer with fewer ids than rows is fine (a vocabulary padded to
     a multiple of 8 for the GPU)."""
@@ -83,8 +84,8 @@ def check_vocabulary(model_dir: str | Path, tokenizer, tokenizer_dir: str | Path
         tokens, source = own
         difference = vocabulary_difference(tokens, ids, str(source), str(name))
         if difference:
-            raise ValueError(f"--tokenizer {name} is not the model's vocabulary: {difference}; fine-tune with the "
-                             f"model's own tokenizer")
+            raise BadInput(f"--tokenizer {name} is not the model's vocabulary: {difference}; fine-tune with the "
+                           f"model's own tokenizer")
     if len(ids) > config_vocab_size:
-        raise ValueError(f"tokenizer {name}: {len(ids)} tokens, but {model_dir}'s config.vocab_size is "
-                         f"{config_vocab_size}: ids {config_vocab_size}-{len(ids) - 1} have no embedding row")
+        raise BadInput(f"tokenizer {name}: {len(ids)} tokens, but {model_dir}'s config.vocab_size is "
+                       f"{config_vocab_size}: ids {config_vocab_size}-{len(ids) - 1} have no embedding row")

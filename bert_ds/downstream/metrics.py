@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput, run_main
 
 __all__ = ["METRICS", "compute_metrics", "accuracy", "binary_f1", "matthews_corrcoef", "pearson", "spearman",
            "entity_scores", "normalize_answer", "squad_exact", "squad_f1", "squad_v1", "squad_v2", "main"]
@@ -33,10 +33,10 @@ __all__ = ["METRICS", "compute_metrics", "accuracy", "binary_f1", "matthews_corr
 def _pair(predictions, references) -> tuple[np.ndarray, np.ndarray]:
     p, r = np.asarray(predictions), np.asarray(references)
     if p.shape != r.shape or p.ndim != 1:
-        raise ValueError(f"predictions and references must be two 1-D sequences of one length, got shapes "
-                         f"{p.shape} and {r.shape}")
+        raise BadInput(f"predictions and references must be two 1-D sequences of one length, got shapes "
+                       f"{p.shape} and {r.shape}")
     if len(p) == 0:
-        raise ValueError("no predictions to score")
+        raise BadInput("no predictions to score")
     return p, r
 
 
@@ -108,10 +108,10 @@ def entity_scores(predictions: Sequence[Sequence[str]], references: Sequence[Seq
     from seqeval.metrics import f1_score, precision_score, recall_score
 
     if len(predictions) != len(references):
-        raise ValueError(f"{len(predictions)} predicted sequences but {len(references)} references")
+        raise BadInput(f"{len(predictions)} predicted sequences but {len(references)} references")
     for i, (p, r) in enumerate(zip(predictions, references, strict=True)):
         if len(p) != len(r):
-            raise ValueError(f"sequence {i}: {len(p)} predicted tags but {len(r)} reference tags")
+            raise BadInput(f"sequence {i}: {len(p)} predicted tags but {len(r)} reference tags")
     p, r = [list(s) for s in predictions], [list(s) for s in references]
     return {"entity_precision": float(precision_score(r, p, zero_division=0)),
             "entity_recall": float(recall_score(r, p, zero_division=0)),
@@ -137,7 +137,7 @@ def compute_metrics(names: Sequence[str], predictions, references) -> dict[str, 
         elif name in METRICS:
             out[name] = METRICS[name](predictions, references)
         else:
-            raise ValueError(f"unknown metric {name!r}; known: {sorted(METRICS) + list(_ENTITY)}")
+            raise BadInput(f"unknown metric {name!r}; known: {sorted(METRICS) + list(_ENTITY)}")
     return out
 
 
@@ -179,7 +179,7 @@ def squad_v1(predictions: dict[str, str], examples: Sequence[dict]) -> dict[str,
     """SQuAD v1.1 exact match and F1 (0-100) over ``examples`` (records of ``readers.read_squad_json``); a question
     without a prediction scores 0, as in the official script."""
     if not examples:
-        raise ValueError("no questions to score")
+        raise BadInput("no questions to score")
     exact = f1 = 0.0
     for example in examples:
         prediction = predictions.get(example["id"])
@@ -187,7 +187,7 @@ def squad_v1(predictions: dict[str, str], examples: Sequence[dict]) -> dict[str,
             continue
         golds = _gold_texts(example)
         if not golds:
-            raise ValueError(f"question {example['id']!r} has no gold answer: SQuAD v1.1 needs one (use squad_v2)")
+            raise BadInput(f"question {example['id']!r} has no gold answer: SQuAD v1.1 needs one (use squad_v2)")
         exact += max(squad_exact(g, prediction) for g in golds)
         f1 += max(squad_f1(g, prediction, empty_matches_empty=False) for g in golds)
     return {"exact_match": 100.0 * exact / len(examples), "f1": 100.0 * f1 / len(examples)}
@@ -238,15 +238,15 @@ def squad_v2(predictions: dict[str, str], examples: Sequence[dict], na_probs: di
     back (see ``_best_threshold``), for signed scores such as fine-tuning's null margins; False: the official
     script's numbers, probabilities in [0, 1]."""
     if not examples:
-        raise ValueError("no questions to score")
+        raise BadInput("no questions to score")
     missing = [e["id"] for e in examples if e["id"] not in predictions]
     if missing:
-        raise ValueError(f"{len(missing)} questions have no prediction (e.g. {missing[:3]}); predict '' for no answer")
+        raise BadInput(f"{len(missing)} questions have no prediction (e.g. {missing[:3]}); predict '' for no answer")
     if na_probs is None:
         na_probs = {e["id"]: 0.0 for e in examples}
     lacking = [e["id"] for e in examples if e["id"] not in na_probs]
     if lacking:
-        raise ValueError(f"na_probs lacks {len(lacking)} questions (e.g. {lacking[:3]})")
+        raise BadInput(f"na_probs lacks {len(lacking)} questions (e.g. {lacking[:3]})")
     has_answer, exact_raw, f1_raw = {}, {}, {}
     for example in examples:
         qid, prediction = example["id"], predictions[example["id"]]
@@ -296,7 +296,7 @@ def _score_files(args: argparse.Namespace) -> int:
     version = str(_load_json(args.data_file).get("version", ""))
     predictions = _load_json(args.pred_file)
     if not isinstance(predictions, dict) or not all(isinstance(v, str) for v in predictions.values()):
-        raise ValueError(f"{args.pred_file}: expected a JSON object mapping question ids to answer strings")
+        raise BadInput(f"{args.pred_file}: expected a JSON object mapping question ids to answer strings")
     if version.lstrip("v").startswith("2"):
         na_probs = _load_json(args.na_prob_file) if args.na_prob_file else None
         result = squad_v2(predictions, examples, na_probs, args.na_prob_thresh)

@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 
+from bert_ds.errors import BadInput
+
 __all__ = ["train_features", "eval_features", "best_spans", "answers"]
 
 
@@ -27,8 +29,8 @@ def _windows(tokenizer, examples: list[dict], max_seq_length: int, doc_stride: i
     for example, question in zip(examples, questions, strict=True):
         room = max_seq_length - len(tokenizer(question, add_special_tokens=False)["input_ids"]) - 3
         if doc_stride >= room:
-            raise ValueError(f"question {example['id']!r}: doc_stride={doc_stride} must be below the {room} context "
-                             f"tokens a window of max_seq_length={max_seq_length} holds after the question")
+            raise BadInput(f"question {example['id']!r}: doc_stride={doc_stride} must be below the {room} context "
+                           f"tokens a window of max_seq_length={max_seq_length} holds after the question")
     # Question first, as the paper (segment A = question, B = passage); only the passage is cut into windows.
     return tokenizer(questions, [e["context"] for e in examples], truncation="only_second",
                      max_length=max_seq_length, stride=doc_stride, return_overflowing_tokens=True,

@@ -576,7 +576,7 @@ def _records_for(spec: TaskSpec, path, columns: dict[str, str]) -> list[dict]:
             out.append({"context": str(_field(row, columns["context"], path)), "endings": endings, "label": label,
                         "idx": row.get("idx", line), "line": line})
         else:
-            raise ValueError(f"task {spec.name!r}: shape {spec.shape!r} is not read from CSV/JSON lines")
+            raise BadInput(f"task {spec.name!r}: shape {spec.shape!r} is not read from CSV/JSON lines")
     if spec.shape == "token":
         _check_iob_scheme(path, out, columns["tags"])
     return out

@@ -16,6 +16,7 @@ suite would run; any other finished run is refused, naming the first field that 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -27,10 +28,11 @@ from pathlib import Path
 import torch
 
 from bert_ds import cli_args
+from bert_ds.cli import alias
 from bert_ds.cli_args import option
 from bert_ds.downstream.finetune import DEVICES, METRICS_NAME, FinetuneArgs, finetune, run_identity
 from bert_ds.downstream.tasks import GLUE_TASKS
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["COLUMNS", "TRANSFER_TASKS", "SuiteArgs", "find_tasks", "run_suite", "markdown_table", "main"]
 
@@ -94,12 +96,12 @@ class SuiteArgs:
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
-            raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+            raise BadInput(f"seeds must be >= 1, got {self.seeds}")
         unknown = [t for t in self.tasks if t not in GLUE_TASKS]
         if unknown:
-            raise ValueError(f"tasks {unknown} are not GLUE tasks; choose from {list(GLUE_TASKS)}")
+            raise BadInput(f"tasks {unknown} are not GLUE tasks; choose from {list(GLUE_TASKS)}")
         if any(not lr > 0 for lr in (*self.lr_grid, self.learning_rate)):
-            raise ValueError(f"learning rates must be > 0, got {self.lr_grid or self.learning_rate}")
+            raise BadInput(f"learning rates must be > 0, got {self.lr_grid or self.learning_rate}")
 
 
 def find_tasks(data_dir: str | Path, only: tuple[str, ...] = ()) -> list[str]:
@@ -111,10 +113,10 @@ def find_tasks(data_dir: str | Path, only: tuple[str, ...] = ()) -> list[str]:
     if only:
         missing = [t for t in only if t not in found]
         if missing:
-            raise ValueError(f"{root}: no training file for {missing} (found: {found})")
+            raise BadInput(f"{root}: no training file for {missing} (found: {found})")
         found = [t for t in found if t in only]
     if not found:
-        raise ValueError(f"{root}: no GLUE task directory with a train.tsv (expected e.g. {root / 'CoLA'})")
+        raise BadInput(f"{root}: no GLUE task directory with a train.tsv (expected e.g. {root / 'CoLA'})")
     return found
 
 
@@ -130,14 +132,14 @@ def _check_reusable(run_dir: Path, metrics: dict, identity: dict) -> None:
     overwrite. Refused naming the first field that differs."""
     recorded = metrics.get("identity")
     if recorded is None:
-        raise ValueError(f"{run_dir}: a finished run without a recorded identity (written before bert_ds recorded "
-                         "one), so nothing tells its model from this one; choose a new --out, or delete it to rerun")
+        raise BadInput(f"{run_dir}: a finished run without a recorded identity (written before bert_ds recorded "
+                       "one), so nothing tells its model from this one; choose a new --out, or delete it to rerun")
     identity = json.loads(json.dumps(identity))  # as the metrics file holds it (tuples as lists)
     differ = [k for k in identity if recorded.get(k) != identity[k]] + [k for k in recorded if k not in identity]
     if differ:
         key, also = differ[0], f" (also differ: {', '.join(differ[1:])})" if differ[1:] else ""
-        raise ValueError(f"{run_dir}: a finished run of another setup: {key} {recorded.get(key)} there, "
-                         f"{identity.get(key)} now{also}; choose a new --out, or delete {run_dir} to rerun it")
+        raise BadInput(f"{run_dir}: a finished run of another setup: {key} {recorded.get(key)} there, "
+                       f"{identity.get(key)} now{also}; choose a new --out, or delete {run_dir} to rerun it")
 
 
 def _run(args: SuiteArgs, task: str, lr: float, seed: int, start_model: str) -> dict:
@@ -167,7 +169,7 @@ def run_suite(args: SuiteArgs) -> dict:
     """Fine-tune every task ``seeds`` times (per learning rate of the grid); returns and writes the table."""
     tasks = find_tasks(args.data_dir, args.tasks)
     if args.mnli_transfer and "mnli" not in tasks:
-        raise ValueError(f"{args.data_dir}: MNLI transfer needs the MNLI task directory")
+        raise BadInput(f"{args.data_dir}: MNLI transfer needs the MNLI task directory")
     grid = args.lr_grid or (args.learning_rate,)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     columns = {c[1]: [c2 for c2 in SHOWN if c2[1] == c[1]] for c in SHOWN}
@@ -238,24 +240,21 @@ def markdown_table(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _parse(argv: list[str] | None) -> SuiteArgs:
+def cli_parser() -> argparse.ArgumentParser:
     """The CLI generated from SuiteArgs (its defaults, its field docs)."""
-    parser = cli_args.build_parser(SuiteArgs, "bert-ds-glue", "Fine-tune a BERT directory on every GLUE task of a data "
-                                   "directory with several seeds; median and spread per task and the GLUE average, as "
-                                   "Markdown and JSON (BERT paper Table 1 layout).")
-    return cli_args.parse(SuiteArgs, parser, argv)
+    return cli_args.build_parser(SuiteArgs, "bert-ds-glue", "Fine-tune a BERT directory on every GLUE task of a data "
+                                 "directory with several seeds; median and spread per task and the GLUE average, as "
+                                 "Markdown and JSON (BERT paper Table 1 layout).")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-glue`` / ``tools/glue.py``: exit 0 with the table printed, 2 for bad input."""
-    args = _parse(argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.device == "cpu" or not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # see finetune.main
-    return run_main("bert-ds-glue", _suite_and_table, args)
+main = alias("glue")
 
 
 def _suite_and_table(args: SuiteArgs) -> int:
+    """``bert-ds-glue`` / ``tools/glue.py``: exit 0 with the table printed, 2 for bad input."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.device == "cpu" or not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # see finetune._run
     table = run_suite(args)
     print(markdown_table(table), end="")
     print(f"wrote {Path(args.out) / (RESULTS_NAME + '.md')} and .json")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bert_ds.errors import BadInput
+
 __all__ = ["SHAPES", "FORMATS", "MAX_SEQ_LENGTH", "QA_MAX_SEQ_LENGTH", "TsvLayout", "TaskSpec", "TASKS", "GLUE_TASKS",
            "task_spec"]
 
@@ -50,11 +52,11 @@ class TsvLayout:
     def __post_init__(self) -> None:
         names = self.header if self.header is not None else self.columns
         if names is None:
-            raise ValueError("TsvLayout needs a header or positional columns")
+            raise BadInput("TsvLayout needs a header or positional columns")
         for role in ("text", "text_pair", "label", "idx"):
             value = getattr(self, role)
             if value is not None and value not in names:
-                raise ValueError(f"TsvLayout.{role}={value!r} is not one of the columns {names}")
+                raise BadInput(f"TsvLayout.{role}={value!r} is not one of the columns {names}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -97,21 +99,21 @@ class TaskSpec:
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
-            raise ValueError(f"TaskSpec {self.name!r}: shape={self.shape!r}, choose one of {SHAPES}")
+            raise BadInput(f"TaskSpec {self.name!r}: shape={self.shape!r}, choose one of {SHAPES}")
         if self.format not in FORMATS:
-            raise ValueError(f"TaskSpec {self.name!r}: format={self.format!r}, choose one of {FORMATS}")
+            raise BadInput(f"TaskSpec {self.name!r}: format={self.format!r}, choose one of {FORMATS}")
         unknown = [m for m in self.metrics if m not in _METRIC_NAMES]
         if unknown:
-            raise ValueError(f"TaskSpec {self.name!r}: unknown metrics {unknown}; known: {_METRIC_NAMES}")
+            raise BadInput(f"TaskSpec {self.name!r}: unknown metrics {unknown}; known: {_METRIC_NAMES}")
         if self.main_metric not in self.metrics:
-            raise ValueError(f"TaskSpec {self.name!r}: main_metric={self.main_metric!r} is not in {self.metrics}")
+            raise BadInput(f"TaskSpec {self.name!r}: main_metric={self.main_metric!r} is not in {self.metrics}")
         if self.format == "glue_tsv" and (self.train_layout is None or self.test_layout is None):
-            raise ValueError(f"TaskSpec {self.name!r}: a GLUE task needs train_layout and test_layout")
+            raise BadInput(f"TaskSpec {self.name!r}: a GLUE task needs train_layout and test_layout")
         if self.shape == "regression" and self.labels is not None:
-            raise ValueError(f"TaskSpec {self.name!r}: a regression task has no label set")
+            raise BadInput(f"TaskSpec {self.name!r}: a regression task has no label set")
         missing = [s for s in self.eval_splits if self.splits and s not in self.splits]
         if missing:
-            raise ValueError(f"TaskSpec {self.name!r}: eval_splits {missing} are not in splits {sorted(self.splits)}")
+            raise BadInput(f"TaskSpec {self.name!r}: eval_splits {missing} are not in splits {sorted(self.splits)}")
 
     @property
     def is_glue(self) -> bool:
@@ -119,7 +121,7 @@ class TaskSpec:
 
     def label2id(self) -> dict[str, int]:
         if self.labels is None:
-            raise ValueError(f"task {self.name!r} has no fixed label set")
+            raise BadInput(f"task {self.name!r} has no fixed label set")
         return {label: i for i, label in enumerate(self.labels)}
 
 
@@ -246,8 +248,8 @@ TASKS: dict[str, TaskSpec] = {**GLUE_TASKS, **_OTHER_TASKS}
 
 
 def task_spec(name: str) -> TaskSpec:
-    """The preset called ``name``; a ValueError naming the known presets otherwise."""
+    """The preset called ``name``; a BadInput naming the known presets otherwise."""
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"task={name!r}: choose one of {sorted(TASKS)}") from None
+        raise BadInput(f"task={name!r}: choose one of {sorted(TASKS)}") from None

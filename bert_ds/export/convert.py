@@ -8,6 +8,7 @@ and the token ids of the tokenizer, against bert_ds's own model and tokenizer.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -17,10 +18,11 @@ from pathlib import Path
 import torch
 
 from bert_ds.checkpoint import CheckpointError, CheckpointRef, consolidated_state_dict, open_checkpoint, reading_tag
-from bert_ds.cli_args import build_parser, defaults_of, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, defaults_of, option
 from bert_ds.config import BertConfig
 from bert_ds.data.tokenizer import WordPieceTokenizer
-from bert_ds.errors import StepFailed, run_main
+from bert_ds.errors import StepFailed
 from bert_ds.export.hf import HF_ARCHITECTURE, export_model, load_training_tokenizer
 from bert_ds.export.keymap import ExportError
 
@@ -210,16 +212,17 @@ class ConvertArgs:
                           "comparing logits and token ids")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bert-ds-convert-checkpoint`` / ``tools/convert_checkpoint.py``. Exit codes: 0 ok, 1 the reloaded model or
-    tokenizer does not reproduce bert_ds's logits or token ids, 2 bad input."""
-    parser = build_parser(ConvertArgs, "bert-ds-convert-checkpoint", "Convert a bert_ds DeepSpeed checkpoint to a "
-                          "verified Hugging Face BertForPreTraining directory.")
-    args = parse(ConvertArgs, parser, argv)
-    return run_main(None, _run, args)  # "error: ..." without the prog, as this command always wrote it
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(ConvertArgs, "bert-ds-convert-checkpoint", "Convert a bert_ds DeepSpeed checkpoint to a "
+                        "verified Hugging Face BertForPreTraining directory.")
+
+
+main = alias("convert-checkpoint")
 
 
 def _run(args: ConvertArgs) -> int:
+    """``bert-ds-convert-checkpoint`` / ``tools/convert_checkpoint.py``. Exit codes: 0 ok, 1 the reloaded model or
+    tokenizer does not reproduce bert_ds's logits or token ids, 2 bad input."""
     diffs = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, verify=args.verify)
     if diffs is None:
         print(f"wrote {args.out} (not verified)")

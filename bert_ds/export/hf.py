@@ -90,7 +90,10 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         return load_file(single)
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError) as exc:
+            raise ExportError(f"{index}: not a safetensors index with a 'weight_map' object: {exc!r}") from exc
         state = {}
         for shard in shards:
             state.update(load_file(hf_dir / shard))

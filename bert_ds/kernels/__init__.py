@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bert_ds.errors import BadInput
+
 from .attention import attention_torch, attention_triton
 from .attention_varlen import varlen_attention_torch, varlen_attention_triton
 from .bias_gelu import bias_gelu_torch, bias_gelu_triton
@@ -68,7 +70,7 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-12, backend: str = "auto") -> None:
         super().__init__()
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise BadInput(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.normalized_shape = (hidden_size,)
         self.eps = eps
         self.backend = backend

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from bert_ds.errors import BadInput
+
 from .dropout import check_dropout_p, dropout_keep, dropout_seed_tensor
 from .jit import interpreter_enabled, late_jit
 
@@ -360,11 +362,11 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
         raise ValueError(f"attention: q, k, v must share one (B, nh, S, hd) shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"attention backend 'triton' needs q, k, v of one dtype among fp32/fp16/bf16, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise BadInput(f"attention backend 'triton' needs q, k, v of one dtype among fp32/fp16/bf16, got "
+                       f"{q.dtype}, {k.dtype}, {v.dtype}")
     batch, _, seq, head_dim = q.shape
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"attention backend 'triton' supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        raise BadInput(f"attention backend 'triton' supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     mask = None
     if key_padding_mask is not None:
         if key_padding_mask.shape != (batch, seq):

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from bert_ds.errors import BadInput
+
 from .attention import SUPPORTED_HEAD_DIMS, _dot_args, attention_torch
 from .dropout import check_dropout_p, dropout_keep, dropout_seed_tensor
 from .jit import late_jit
@@ -375,10 +377,10 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     dropout_p = check_dropout_p(dropout_p, "varlen attention backend 'triton'")
     _check(q, k, v, cu_seqlens, max_seqlen)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"varlen attention backend 'triton' needs q, k, v of one dtype among fp32/fp16/bf16, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise BadInput(f"varlen attention backend 'triton' needs q, k, v of one dtype among fp32/fp16/bf16, got "
+                       f"{q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[2] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"varlen attention backend 'triton' supports head_dim in {SUPPORTED_HEAD_DIMS}, "
-                         f"got {q.shape[2]}")
+        raise BadInput(f"varlen attention backend 'triton' supports head_dim in {SUPPORTED_HEAD_DIMS}, "
+                       f"got {q.shape[2]}")
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     return _varlen_fwd(q, k, v, cu, max_seqlen, dropout_p, dropout_seed_tensor(dropout_p))[0]

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from bert_ds.errors import BadInput
+
 from .jit import interpreter_enabled, recording, triton_version_problem
 from .layer_norm import apex_available
 
@@ -71,7 +73,7 @@ def resolve_backend(op: str, requested: str, device: torch.device, dtype: torch.
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if requested not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+        raise BadInput(f"backend must be one of {BACKENDS}, got {requested!r}")
     device = torch.device(device)
     on_cuda = device.type == "cuda" or recording()
     if requested == "torch":
@@ -85,7 +87,7 @@ def resolve_backend(op: str, requested: str, device: torch.device, dtype: torch.
 
 def _resolve_apex(op: str, on_cuda: bool, device: torch.device) -> str:
     if op != "layer_norm":
-        raise ValueError(f"backend 'apex' is only available for layer_norm, not {op}")
+        raise BadInput(f"backend 'apex' is only available for layer_norm, not {op}")
     if not apex_available():
         raise RuntimeError("backend 'apex' requested for layer_norm but NVIDIA apex (apex.normalization with "
                            "its fused_layer_norm_cuda extension) is not importable; install apex from "

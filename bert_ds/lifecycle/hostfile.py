@@ -9,6 +9,7 @@ ranks from it: host names are then labels, never resolved, and ``--master_addr``
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -17,8 +18,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from bert_ds.cli_args import build_parser, option, parse
-from bert_ds.errors import run_main
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, option
+from bert_ds.errors import BadInput
 
 __all__ = ["format_hostfile", "hosts_from_list", "hosts_from_slurm", "main", "parse_tasks_per_node", "slurm_hostnames",
            "slurm_master_port", "write_hostfile"]
@@ -34,12 +36,12 @@ def slurm_hostnames(nodelist: str) -> list[str]:
     try:
         proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
     except FileNotFoundError as exc:
-        raise ValueError(f"expanding the Slurm node list {nodelist!r} needs `scontrol` on PATH (run inside the job, "
-                         f"or pass --hosts)") from exc
+        raise BadInput(f"expanding the Slurm node list {nodelist!r} needs `scontrol` on PATH (run inside the job, "
+                       f"or pass --hosts)") from exc
     hosts = proc.stdout.split()
     if proc.returncode != 0 or not hosts:
-        raise ValueError(f"`scontrol show hostnames {nodelist}` exited {proc.returncode} with no host names: "
-                         f"{proc.stderr.strip()}")
+        raise BadInput(f"`scontrol show hostnames {nodelist}` exited {proc.returncode} with no host names: "
+                       f"{proc.stderr.strip()}")
     return hosts
 
 
@@ -57,7 +59,7 @@ def parse_tasks_per_node(value: str) -> list[int]:
     for item in value.split(","):
         match = _TASKS_ITEM.match(item.strip())
         if match is None:
-            raise ValueError(f"SLURM_TASKS_PER_NODE={value!r}: {item!r} is not N or N(xR)")
+            raise BadInput(f"SLURM_TASKS_PER_NODE={value!r}: {item!r} is not N or N(xR)")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 
@@ -74,11 +76,11 @@ def _slurm_slots(env: Mapping[str, str], nodes: int) -> list[int]:
     if env.get("SLURM_TASKS_PER_NODE"):
         counts = parse_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
         if len(counts) != nodes:
-            raise ValueError(f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} gives {len(counts)} node(s), "
-                             f"SLURM_JOB_NODELIST {nodes}")
+            raise BadInput(f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} gives {len(counts)} node(s), "
+                           f"SLURM_JOB_NODELIST {nodes}")
         return counts
-    raise ValueError("no slot count in the Slurm environment (SLURM_GPUS_ON_NODE, SLURM_NTASKS_PER_NODE, "
-                     "SLURM_TASKS_PER_NODE): pass --slots N")
+    raise BadInput("no slot count in the Slurm environment (SLURM_GPUS_ON_NODE, SLURM_NTASKS_PER_NODE, "
+                   "SLURM_TASKS_PER_NODE): pass --slots N")
 
 
 def hosts_from_slurm(env: Mapping[str, str] | None = None, slots: int | None = None,
@@ -87,7 +89,7 @@ def hosts_from_slurm(env: Mapping[str, str] | None = None, slots: int | None = N
     env = os.environ if env is None else env
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
-        raise ValueError("SLURM_JOB_NODELIST is not set: run inside a Slurm job (sbatch/salloc), or pass --hosts")
+        raise BadInput("SLURM_JOB_NODELIST is not set: run inside a Slurm job (sbatch/salloc), or pass --hosts")
     names = expand(nodelist)
     counts = [slots] * len(names) if slots is not None else _slurm_slots(env, len(names))
     return _checked(list(zip(names, counts, strict=True)), where="SLURM_JOB_NODELIST")
@@ -99,24 +101,24 @@ def hosts_from_list(spec: str, slots: int | None = None) -> list[Host]:
     for item in spec.replace(",", " ").split():
         name, sep, count = item.partition(":")
         if sep and not count.isdigit():
-            raise ValueError(f"--hosts: {item!r} is not HOST or HOST:SLOTS")
+            raise BadInput(f"--hosts: {item!r} is not HOST or HOST:SLOTS")
         if not sep and slots is None:
-            raise ValueError(f"--hosts: {item!r} has no :SLOTS and no --slots was given")
+            raise BadInput(f"--hosts: {item!r} has no :SLOTS and no --slots was given")
         hosts.append((name, int(count) if sep else slots))
     return _checked(hosts, where="--hosts")
 
 
 def _checked(hosts: list[Host], where: str) -> list[Host]:
     if not hosts:
-        raise ValueError(f"{where}: no hosts")
+        raise BadInput(f"{where}: no hosts")
     seen = set()
     for name, count in hosts:
         if not _HOST_NAME.match(name):
-            raise ValueError(f"{where}: {name!r} is not a host name")
+            raise BadInput(f"{where}: {name!r} is not a host name")
         if name in seen:  # DeepSpeed refuses a hostfile naming a host twice
-            raise ValueError(f"{where}: host {name!r} appears twice")
+            raise BadInput(f"{where}: host {name!r} appears twice")
         if count < 1:
-            raise ValueError(f"{where}: host {name!r} has {count} slots; it needs at least 1")
+            raise BadInput(f"{where}: host {name!r} has {count} slots; it needs at least 1")
         seen.add(name)
     return hosts
 
@@ -147,16 +149,14 @@ class HostfileArgs:
 
     def __post_init__(self) -> None:
         if self.slurm == (self.hosts is not None):
-            raise ValueError("give exactly one of --slurm and --hosts")
+            raise BadInput("give exactly one of --slurm and --hosts")
 
 
-def _parse_args(argv: Sequence[str] | None) -> HostfileArgs:
-    parser = build_parser(HostfileArgs, "bert-ds-make-hostfile", __doc__.split("\n\n")[0])
-    return parse(HostfileArgs, parser, argv)
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(HostfileArgs, "bert-ds-make-hostfile", __doc__.split("\n\n")[0])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_main("bert-ds-make-hostfile", _run, _parse_args(argv))
+main = alias("make-hostfile")
 
 
 def _run(args: HostfileArgs) -> int:

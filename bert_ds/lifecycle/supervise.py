@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bert_ds.cli import alias
 from bert_ds.deepspeed_internals import LAUNCH_MODULE, RUNNER_MODULE
 from bert_ds.exit_codes import ExitCode
 
@@ -284,7 +285,7 @@ def supervise(launcher: Launcher, argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own = "deepspeed --help" if launcher is DEEPSPEED else f"{launcher.name} --help"
     parser = argparse.ArgumentParser(
-        description=f"{launcher.name}, supervised: the command exits 75 when the "
+        prog=f"bert-ds-{launcher.name}", description=f"{launcher.name}, supervised: the command exits 75 when the "
         "job was pre-empted and saved, whichever of its processes got the signal, and leaves no process behind",
         usage=f"%(prog)s [-h] [{launcher.name} options] COMMAND [arguments]",
         epilog=f"The launcher's own options: {own}. Exit codes: the ranks' (README), 75 when pre-empted.")
@@ -299,9 +300,12 @@ def supervise(launcher: Launcher, argv: Sequence[str] | None = None) -> int:
         return _Supervisor(argv, Path(directory), launcher).run()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _run(argv: list[str]) -> int:
     """``bert-ds deepspeed``: DeepSpeed's runner under the supervisor."""
     return supervise(DEEPSPEED, argv)
+
+
+main = alias("deepspeed")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from bert_ds.cli import alias
 from bert_ds.lifecycle.supervise import MPIRUN, supervise
 
 __all__ = ["SIGKILL_PARAM", "SIGKILL_TIMEOUT_S", "main", "mpirun_options"]
@@ -37,9 +38,12 @@ def mpirun_options(argv: Sequence[str], environ: Mapping[str, str] | None = None
     return ["--mca", SIGKILL_PARAM, str(SIGKILL_TIMEOUT_S)]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _run(argv: list[str]) -> int:
+    """``bert-ds mpirun``: Open MPI's mpirun under the supervisor."""
     return supervise(MPIRUN, [*mpirun_options(argv), *argv])
+
+
+main = alias("mpirun")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bert_ds.config import BertConfig
+from bert_ds.errors import BadInput
 from bert_ds.kernels import BACKENDS
 from bert_ds.model import unpad as unpad_
 from bert_ds.model.heads import BertPreTrainingHeads
@@ -100,7 +101,7 @@ class BertForPreTraining(nn.Module):
                  unpad: bool = True) -> None:
         super().__init__()
         if kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels={kernels!r}: choose one of {KERNEL_CHOICES}")
+            raise BadInput(f"kernels={kernels!r}: choose one of {KERNEL_CHOICES}")
         self.config = config
         self.unpad = unpad
         self.bert = BertModel(config, kernels, activation_checkpointing)
@@ -201,7 +202,7 @@ class BertForPreTraining(nn.Module):
         chosen = []
         for index in layers:
             if not -len(states) <= index < len(states):
-                raise ValueError(f"layers: index {index} out of range for {len(states)} hidden states "
-                                 f"(embeddings + {len(states) - 1} layers)")
+                raise BadInput(f"layers: index {index} out of range for {len(states)} hidden states "
+                               f"(embeddings + {len(states) - 1} layers)")
             chosen.append(states[index])
         return torch.cat(chosen, dim=-1) if concat else chosen

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from bert_ds.errors import BadInput
+
 __all__ = ["CLIP_EPS", "GlobalNormClip", "clip_coefficient", "global_grad_norm"]
 
 CLIP_EPS = 1e-6
@@ -46,7 +48,7 @@ class GlobalNormClip:
 
     def __init__(self, max_norm: float) -> None:
         if not max_norm >= 0.0:
-            raise ValueError(f"GlobalNormClip: max_norm must be >= 0 (0 = measure only), got {max_norm!r}")
+            raise BadInput(f"GlobalNormClip: max_norm must be >= 0 (0 = measure only), got {max_norm!r}")
         self.max_norm = float(max_norm)
         self.last_norm: float | None = None
         self._handle = None

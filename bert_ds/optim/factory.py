@@ -15,6 +15,7 @@ import importlib.util
 import torch
 
 from bert_ds.deepspeed_internals import ZERO_OPTIMIZER_CLASS
+from bert_ds.errors import BadInput
 from bert_ds.optim.lamb import UnsupportedZeroSetup, ZeroAwareLamb
 
 __all__ = ["OPTIMIZER_NAMES", "bind_optimizer", "build_optimizer", "no_decay", "param_groups"]
@@ -33,7 +34,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     Empty groups are dropped (DeepSpeed's ZeRO refuses a group without trainable parameters).
     """
     if not weight_decay >= 0.0:
-        raise ValueError(f"param_groups: weight_decay must be >= 0, got {weight_decay!r}")
+        raise BadInput(f"param_groups: weight_decay must be >= 0, got {weight_decay!r}")
     decay, plain = [], []
     for name, p in model.named_parameters():  # tied parameters are yielded once
         if p.requires_grad:
@@ -55,11 +56,11 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: 
       unrelated and never used).
     """
     if name not in OPTIMIZER_NAMES:
-        raise ValueError(f"build_optimizer: name must be one of {OPTIMIZER_NAMES}, got {name!r}")
+        raise BadInput(f"build_optimizer: name must be one of {OPTIMIZER_NAMES}, got {name!r}")
     if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"build_optimizer: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        raise BadInput(f"build_optimizer: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if lamb_kw and name != "lamb":
-        raise ValueError(f"build_optimizer: {sorted(lamb_kw)} only apply to 'lamb', not {name!r}")
+        raise BadInput(f"build_optimizer: {sorted(lamb_kw)} only apply to 'lamb', not {name!r}")
     groups = param_groups(model, weight_decay)
     betas = tuple(betas)
     if name == "lamb":
@@ -75,8 +76,8 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: 
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     # apex_lamb
     if zero_stage != 0:
-        raise ValueError(f"build_optimizer: 'apex_lamb' computes one trust ratio per ZeRO slice; it is only allowed "
-                         f"with zero_stage=0, got {zero_stage}. Use 'lamb' (ZeroAwareLamb) under ZeRO.")
+        raise BadInput(f"build_optimizer: 'apex_lamb' computes one trust ratio per ZeRO slice; it is only allowed "
+                       f"with zero_stage=0, got {zero_stage}. Use 'lamb' (ZeroAwareLamb) under ZeRO.")
     if importlib.util.find_spec("apex") is None:
         raise ImportError("build_optimizer: 'apex_lamb' needs NVIDIA apex (github.com/NVIDIA/apex, built with "
                           "--cpp_ext --cuda_ext); it is not installed")

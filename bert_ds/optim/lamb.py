@@ -181,20 +181,20 @@ class ZeroAwareLamb(Optimizer):
                  eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
                  min_trust: float | None = None, max_trust: float | None = None, trust_ratio: str = "all") -> None:
         if not lr >= 0.0:
-            raise ValueError(f"ZeroAwareLamb: lr must be >= 0, got {lr!r}")
+            raise BadInput(f"ZeroAwareLamb: lr must be >= 0, got {lr!r}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"ZeroAwareLamb: betas must be two values in [0, 1), got {betas!r}")
+            raise BadInput(f"ZeroAwareLamb: betas must be two values in [0, 1), got {betas!r}")
         if not eps > 0.0:
-            raise ValueError(f"ZeroAwareLamb: eps must be > 0, got {eps!r}")
+            raise BadInput(f"ZeroAwareLamb: eps must be > 0, got {eps!r}")
         if not weight_decay >= 0.0:
-            raise ValueError(f"ZeroAwareLamb: weight_decay must be >= 0, got {weight_decay!r}")
+            raise BadInput(f"ZeroAwareLamb: weight_decay must be >= 0, got {weight_decay!r}")
         if min_trust is not None and max_trust is not None and min_trust > max_trust:
-            raise ValueError(f"ZeroAwareLamb: min_trust={min_trust!r} > max_trust={max_trust!r}")
+            raise BadInput(f"ZeroAwareLamb: min_trust={min_trust!r} > max_trust={max_trust!r}")
         if trust_ratio not in TRUST_RATIO_RULES:
-            raise ValueError(f"ZeroAwareLamb: trust_ratio must be one of {TRUST_RATIO_RULES}, got {trust_ratio!r}")
+            raise BadInput(f"ZeroAwareLamb: trust_ratio must be one of {TRUST_RATIO_RULES}, got {trust_ratio!r}")
         for name, value in (("min_trust", min_trust), ("max_trust", max_trust)):
             if value is not None and not value >= 0.0:
-                raise ValueError(f"ZeroAwareLamb: {name} must be >= 0 or None, got {value!r}")
+                raise BadInput(f"ZeroAwareLamb: {name} must be >= 0 or None, got {value!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         min_trust=min_trust, max_trust=max_trust, trust_ratio=trust_ratio)
         self._registered: set[int] = set()

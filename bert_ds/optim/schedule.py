@@ -20,6 +20,8 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
+from bert_ds.errors import BadInput
+
 __all__ = ["NVIDIA_BERT_POWER", "SCHEDULES", "TimeBudget", "apply_elapsed", "composer_linear_warmup", "keep_group_lrs",
            "lr_lambda", "nvidia_poly_warmup", "rescale_peak", "sync_groups_to_schedule", "time_linear_warmup",
            "warmup_poly_decay"]
@@ -33,9 +35,9 @@ NVIDIA_BERT_POWER = 0.5
 
 def _check(name: str, total_steps: int, warmup_fraction: float) -> None:
     if not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < 1:
-        raise ValueError(f"{name}: total_steps must be a positive integer, got {total_steps!r}")
+        raise BadInput(f"{name}: total_steps must be a positive integer, got {total_steps!r}")
     if not 0.0 <= warmup_fraction <= 1.0:
-        raise ValueError(f"{name}: warmup_fraction must be in [0, 1], got {warmup_fraction!r}")
+        raise BadInput(f"{name}: warmup_fraction must be in [0, 1], got {warmup_fraction!r}")
 
 
 def warmup_poly_decay(total_steps: int, warmup_fraction: float, power: float = NVIDIA_BERT_POWER
@@ -43,7 +45,7 @@ def warmup_poly_decay(total_steps: int, warmup_fraction: float, power: float = N
     """``warmup_poly``: return ``f(step) -> lr multiplier`` for a schedule of ``total_steps`` optimizer steps."""
     _check("warmup_poly_decay", total_steps, warmup_fraction)
     if not power > 0.0:
-        raise ValueError(f"warmup_poly_decay: power must be > 0, got {power!r}")
+        raise BadInput(f"warmup_poly_decay: power must be > 0, got {power!r}")
     warmup_steps = int(warmup_fraction * total_steps)
 
     def factor(step: int) -> float:
@@ -63,7 +65,7 @@ def nvidia_poly_warmup(total_steps: int, warmup_fraction: float, power: float = 
     the optimizer's step count + 1 (= n); its step count starts at 0 in each phase (phase 2 zeroes it)."""
     _check("nvidia_poly_warmup", total_steps, warmup_fraction)
     if not power > 0.0:
-        raise ValueError(f"nvidia_poly_warmup: power must be > 0, got {power!r}")
+        raise BadInput(f"nvidia_poly_warmup: power must be > 0, got {power!r}")
 
     def factor(step: int) -> float:
         n = step + 1
@@ -83,7 +85,7 @@ def composer_linear_warmup(total_steps: int, warmup_fraction: float, final_fract
     ``total_steps`` (Composer evaluates it with the steps already done, so the first update's lr is 0)."""
     _check("composer_linear_warmup", total_steps, warmup_fraction)
     if not 0.0 <= final_fraction <= 1.0:
-        raise ValueError(f"composer_linear_warmup: final_fraction must be in [0, 1], got {final_fraction!r}")
+        raise BadInput(f"composer_linear_warmup: final_fraction must be in [0, 1], got {final_fraction!r}")
     warmup_steps = int(warmup_fraction * total_steps)
 
     def factor(step: int) -> float:
@@ -105,7 +107,7 @@ class TimeBudget:
 
     def __init__(self, budget_hours: float, clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(budget_hours, bool) or not isinstance(budget_hours, int | float) or not budget_hours > 0:
-            raise ValueError(f"TimeBudget: budget_hours must be > 0, got {budget_hours!r}")
+            raise BadInput(f"TimeBudget: budget_hours must be > 0, got {budget_hours!r}")
         self.budget_hours = float(budget_hours)
         self._clock = clock
         self._before_s = 0.0
@@ -133,7 +135,7 @@ def time_linear_warmup(budget: TimeBudget, warmup_fraction: float) -> Callable[[
     """``time_linear``: the step is ignored; the lr follows ``budget.agreed_s`` (hours ``h`` of a budget ``B``):
     ``h / (f * B)`` while ``h < f * B``, then ``max(0, B - h) / (B - f * B)``."""
     if not 0.0 <= warmup_fraction < 1.0:
-        raise ValueError(f"time_linear_warmup: warmup_fraction must be in [0, 1), got {warmup_fraction!r}")
+        raise BadInput(f"time_linear_warmup: warmup_fraction must be in [0, 1), got {warmup_fraction!r}")
 
     def factor(step: int) -> float:
         hours, total = budget.agreed_s / 3600.0, budget.budget_hours
@@ -156,9 +158,9 @@ def lr_lambda(schedule: str, total_steps: int, warmup_fraction: float, power: fl
         return composer_linear_warmup(total_steps, warmup_fraction, final_fraction)
     if schedule == "time_linear":
         if budget is None:
-            raise ValueError("lr_lambda: schedule 'time_linear' needs a TimeBudget")
+            raise BadInput("lr_lambda: schedule 'time_linear' needs a TimeBudget")
         return time_linear_warmup(budget, warmup_fraction)
-    raise ValueError(f"lr_lambda: schedule={schedule!r}: choose one of {SCHEDULES}")
+    raise BadInput(f"lr_lambda: schedule={schedule!r}: choose one of {SCHEDULES}")
 
 
 def sync_groups_to_schedule(scheduler) -> None:

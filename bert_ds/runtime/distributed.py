@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from bert_ds.deepspeed_internals import SHM_BUFFER_GLOB
+from bert_ds.errors import BadInput
 from bert_ds.runtime.caches import load_extensions, use_node_local_caches
 
 __all__ = ["check_master_addr", "free_port", "init_distributed", "launch_path", "leave_process_group",
@@ -49,8 +50,8 @@ def _env_from_slurm() -> None:
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
         if not nodelist:
-            raise ValueError("under srun without a launcher and without SLURM_JOB_NODELIST, export MASTER_ADDR "
-                             "(the first node's hostname) and optionally MASTER_PORT")
+            raise BadInput("under srun without a launcher and without SLURM_JOB_NODELIST, export MASTER_ADDR "
+                           "(the first node's hostname) and optionally MASTER_PORT")
         os.environ["MASTER_ADDR"] = slurm_hostnames(nodelist)[0]
     os.environ.setdefault("MASTER_PORT", str(slurm_master_port(os.environ)))
     os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
@@ -66,7 +67,10 @@ def _env_from_mpirun() -> int:
     per host (for the thread split) and the port: discovery would otherwise always take 29500, so a second job on a
     node would collide. Returns the port (``mpirun -x MASTER_PORT=...`` picks another)."""
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-    return int(os.environ.get("MASTER_PORT", "29500"))
+    port = os.environ.get("MASTER_PORT", "29500")
+    if not port.isdigit():
+        raise BadInput(f"MASTER_PORT={port!r} is not a port number; export MASTER_PORT as a free port")
+    return int(port)
 
 
 def free_port() -> int:
@@ -90,8 +94,8 @@ def check_master_addr(env: Mapping[str, str]) -> None:
     try:
         socket.getaddrinfo(addr, None)
     except socket.gaierror as exc:
-        raise ValueError(f"MASTER_ADDR={addr!r} does not resolve on {socket.gethostname()} ({exc.strerror}); export "
-                         f"MASTER_ADDR as rank 0's hostname or IP address reachable from every node") from exc
+        raise BadInput(f"MASTER_ADDR={addr!r} does not resolve on {socket.gethostname()} ({exc.strerror}); export "
+                       f"MASTER_ADDR as rank 0's hostname or IP address reachable from every node") from exc
 
 
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
@@ -130,9 +134,9 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     except RuntimeError as exc:  # torch's DistNetworkError: rank 0's TCPStore server could not listen
         if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc).lower():
             raise
-        raise ValueError(f"MASTER_PORT={os.environ.get('MASTER_PORT', port)} is already in use on "
-                         f"{socket.gethostname()} (another job or process group listens there); export MASTER_PORT "
-                         f"as a free port (deepspeed --master_port N)") from None
+        raise BadInput(f"MASTER_PORT={os.environ.get('MASTER_PORT', port)} is already in use on "
+                       f"{socket.gethostname()} (another job or process group listens there); export MASTER_PORT "
+                       f"as a free port (deepspeed --master_port N)") from None
     leave_process_group_at_exit()
     return dist.get_rank(), dist.get_world_size()
 

@@ -37,8 +37,8 @@ def resolve_precision(requested: str, device_type: str) -> str:
     refused before any compute, as DeepSpeed would refuse it ("Type fp16 is not supported on your device")."""
     if device_type == "cpu":
         if requested == "fp16":
-            raise ValueError("deepspeed.precision='fp16' is not supported on CPU (DeepSpeed refuses fp16 there); use "
-                             "'bf16', 'fp32' or 'auto' (fp32 on CPU, bf16 on GPU)")
+            raise BadInput("deepspeed.precision='fp16' is not supported on CPU (DeepSpeed refuses fp16 there); use "
+                           "'bf16', 'fp32' or 'auto' (fp32 on CPU, bf16 on GPU)")
         return "fp32" if requested == "auto" else requested
     return "bf16" if requested == "auto" else requested
 
@@ -49,9 +49,9 @@ def check_optimizer_support(recipe: Recipe, precision: str) -> None:
     ZeroAwareLamb does not know. ``precision`` is the resolved one (see :func:`resolve_precision`)."""
     ds = recipe.deepspeed
     if recipe.optimizer.name == "lamb" and ds.zero_stage == 0 and precision in ("bf16", "fp16"):
-        raise ValueError(f"optimizer.name='lamb' with deepspeed.zero_stage=0 and deepspeed.precision="
-                         f"{ds.precision!r} (resolved to {precision}) is not supported: ZeroAwareLamb runs without "
-                         f"ZeRO in fp32 only; set deepspeed.zero_stage to 1 or 2, or deepspeed.precision to 'fp32'")
+        raise BadInput(f"optimizer.name='lamb' with deepspeed.zero_stage=0 and deepspeed.precision="
+                       f"{ds.precision!r} (resolved to {precision}) is not supported: ZeroAwareLamb runs without "
+                       f"ZeRO in fp32 only; set deepspeed.zero_stage to 1 or 2, or deepspeed.precision to 'fp32'")
     if precision == "bf16":
         try:
             check_grad_accum_stage(ds.grad_accum_dtype, ds.zero_stage)
@@ -135,8 +135,8 @@ def build_model(recipe: Recipe, model_config: BertConfig, init_from_hf: str | No
                                    hidden_dropout_prob=model_config.hidden_dropout_prob,
                                    attention_probs_dropout_prob=model_config.attention_probs_dropout_prob)
         if model.config != model_config:
-            raise ValueError(f"--init-from-hf {init_from_hf}: its config {model.config} differs from the run's "
-                             f"{model_config}")
+            raise BadInput(f"--init-from-hf {init_from_hf}: its config {model.config} differs from the run's "
+                           f"{model_config}")
     else:
         model = BertForPreTraining(model_config, kernels=recipe.kernels, activation_checkpointing=act_ckpt)
     if state_dict is not None:
@@ -144,7 +144,7 @@ def build_model(recipe: Recipe, model_config: BertConfig, init_from_hf: str | No
         # The decoder weight is tied to the word embeddings and may be stored under either name only.
         missing = [k for k in missing if k != "cls.predictions.decoder.weight"]
         if missing or unexpected:
-            raise ValueError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise BadInput(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if not recipe.nsp:
         model.bert.pooler.requires_grad_(False)
         model.cls.seq_relationship.requires_grad_(False)

@@ -307,9 +307,9 @@ def static_bytes_per_rank(params: int, world_size: int, zero_stage: int, dtype: 
     partitions the optimizer state, stage 2 the gradients too). ZeRO's alignment padding (a few elements per group)
     is left out."""
     if zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage={zero_stage!r}: the memory model covers ZeRO stages 0, 1 and 2")
+        raise BadInput(f"zero_stage={zero_stage!r}: the memory model covers ZeRO stages 0, 1 and 2")
     if world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be >= 1")
+        raise BadInput(f"world_size={world_size!r} must be >= 1")
     width = _DTYPE_BYTES[dtype]
     partition = params if zero_stage == 0 else -(-params // world_size)
     accum = 0

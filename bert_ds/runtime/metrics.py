@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from bert_ds.config import BertConfig
+from bert_ds.errors import BadInput
 
 __all__ = ["forward_flops_per_sequence", "training_flops_per_sequence", "detect_peak_tflops", "peak_tflops_for",
            "MetricsLogger"]
@@ -40,9 +41,9 @@ def forward_flops_per_sequence(config: BertConfig, seq_len: int, max_predictions
     ``max_predictions`` is the cap per sequence, so the MLM term is an upper bound when fewer are masked.
     """
     if seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        raise BadInput(f"seq_len must be a positive integer, got {seq_len!r}")
     if max_predictions is not None and max_predictions < 0:
-        raise ValueError(f"max_predictions must be >= 0 or None, got {max_predictions!r}")
+        raise BadInput(f"max_predictions must be >= 0 or None, got {max_predictions!r}")
     s, h, i = seq_len, config.hidden_size, config.intermediate_size
     v = config.vocab_size
     p = s if max_predictions is None else max_predictions
@@ -96,7 +97,7 @@ def peak_tflops_for(device_name: str, dtype: str) -> float | None:
     """Dense peak TFLOP/s of a GPU named ``device_name`` for ``dtype`` (bf16, fp16, fp32); None when unknown."""
     key = _DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."))
     if key is None:
-        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPE_ALIASES)}")
+        raise BadInput(f"dtype={dtype!r}: expected one of {sorted(_DTYPE_ALIASES)}")
     for needles, peaks in _PEAK_TFLOPS:
         if all(n in device_name for n in needles):
             return peaks.get(key)
@@ -148,11 +149,11 @@ class MetricsLogger:
     def __init__(self, log_dir: str | Path, *, rank: int, model_config: BertConfig, peak_tflops: float | None = None,
                  log_interval: int = 10, world_size: int = 1) -> None:
         if log_interval < 1:
-            raise ValueError(f"log_interval must be >= 1, got {log_interval!r}")
+            raise BadInput(f"log_interval must be >= 1, got {log_interval!r}")
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+            raise BadInput(f"world_size must be >= 1, got {world_size!r}")
         if peak_tflops is not None and not peak_tflops > 0:
-            raise ValueError(f"peak_tflops must be positive or None, got {peak_tflops!r}")
+            raise BadInput(f"peak_tflops must be positive or None, got {peak_tflops!r}")
         self.rank = rank
         self.model_config = model_config
         self.peak_tflops = peak_tflops

@@ -56,9 +56,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bert_ds import checkpoint as ckpt
+from bert_ds.cli import alias
 from bert_ds.cli_args import build_parser, parse
 from bert_ds.data.loader import LoaderWorkerError
-from bert_ds.errors import run_main
+from bert_ds.errors import BadInput, exit_code_of
 from bert_ds.exit_codes import ExitCode
 from bert_ds.lifecycle import supervise
 from bert_ds.lifecycle.hang_watchdog import start_watchdog
@@ -76,12 +77,17 @@ EXIT_NONFINITE = ExitCode.NONFINITE
 log = logging.getLogger(__name__)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
-    """The command line as :class:`RunArgs`; its parser is generated from the dataclass (``--local_rank``, which the
-    ``deepspeed`` launcher appends, is accepted and dropped: ranks read ``LOCAL_RANK``)."""
+def cli_parser() -> argparse.ArgumentParser:
+    """The parser generated from :class:`RunArgs` (``--local_rank``, which the ``deepspeed`` launcher appends, is
+    accepted and dropped: ranks read ``LOCAL_RANK``)."""
     parser = build_parser(RunArgs, PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return parse(RunArgs, parser, argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunArgs:
+    """The command line as :class:`RunArgs`, as ``bert-ds pretrain`` parses it."""
+    return parse(RunArgs, cli_parser(), argv)
 
 
 def _metrics_logger(plan: RunPlan):
@@ -141,11 +147,11 @@ def _check_output(output: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"--output {output}: {existing} is a file, not a directory; name a run directory")
+        raise BadInput(f"--output {output}: {existing} is a file, not a directory; name a run directory")
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise ValueError(f"--output {output}: {existing} is on a read-only file system; name a writable run directory")
+        raise BadInput(f"--output {output}: {existing} is on a read-only file system; name a writable run directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output}: {existing} is not writable by this user; name a writable run directory")
+        raise BadInput(f"--output {output}: {existing} is not writable by this user; name a writable run directory")
 
 
 def preflight(argv: Sequence[str], rank: int = 0, world_size: int = 1) -> RunPlan:
@@ -180,18 +186,23 @@ PROG = "bert_ds.runtime.pretrain"
 """How every rank's error line starts (``bert_ds.runtime.pretrain: error: ...``), whichever name started it."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parses the command line, then arms the pre-emption handler before anything else (SIGTERM/SIGUSR1 from here on
-    end in exit 75, never 143), runs through :func:`bert_ds.errors.run_main` (one error line, the error's exit code),
-    and reports the exit code to ``bert-ds deepspeed`` when it started this rank (:mod:`bert_ds.lifecycle.supervise`;
-    an exception that escapes is Python's exit 1)."""
-    args = parse_args(argv)
+main = alias("pretrain")
+
+
+def _run(args: RunArgs) -> int:
+    """Once the command line is parsed (:func:`bert_ds.cli.run`): arms the pre-emption handler before anything else
+    (SIGTERM/SIGUSR1 from here on end in exit 75, never 143), trains, and reports the exit code to ``bert-ds
+    deepspeed`` when it started this rank (:mod:`bert_ds.lifecycle.supervise`): what :func:`bert_ds.errors.exit_code_of`
+    makes of an error, 1 for a bug (an exception that escapes is Python's exit 1)."""
     preemption = Preemption().arm()
     supervise.arm()
     code = ExitCode.FAILED
     try:
-        code = run_main(PROG, _train, args, preemption)
+        code = _train(args, preemption)
         return code
+    except Exception as exc:
+        code = exit_code_of(exc) or ExitCode.FAILED
+        raise
     finally:
         supervise.report_exit(code)
         preemption.disarm()  # the exit code is decided: a pre-emption signal from here on is moot

@@ -25,9 +25,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bert_ds.cli_args import build_parser, option, parse
+from bert_ds.cli import alias
+from bert_ds.cli_args import build_parser, option
 from bert_ds.devtools.benchmarks.report import machine, render
-from bert_ds.errors import BadInput, run_main
+from bert_ds.errors import BadInput
 
 __all__ = ["SECTIONS", "main", "run"]
 
@@ -130,27 +131,29 @@ class BenchmarkArgs:
 
     def __post_init__(self) -> None:
         if bool(self.shards128) != bool(self.shards512):
-            raise ValueError("--shards128 and --shards512 go together")
+            raise BadInput("--shards128 and --shards512 go together")
         if self.repeats < 1:
-            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+            raise BadInput(f"--repeats must be >= 1, got {self.repeats}")
+        if self.update and not self.out.is_file():
+            raise BadInput(f"--update: {self.out} does not exist (run without --update first)")
 
 
-def main(argv: list[str] | None = None) -> int:
+PROG = "bert-ds-benchmark"
+
+
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser(BenchmarkArgs, PROG, __doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+main = alias("benchmark")
+
+
+def _run(args: BenchmarkArgs, argv: list[str] | None) -> int:
     """``bert-ds-benchmark`` / ``tools/benchmark.py``: exit 0 after writing the JSON (and Markdown), 2 for bad
     arguments."""
-    parser = build_parser(BenchmarkArgs, "bert-ds-benchmark", __doc__.splitlines()[0],
-                          epilog="\n".join(__doc__.splitlines()[1:]),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parse(BenchmarkArgs, parser, argv)
-    previous = {}
-    if args.update:
-        if not args.out.is_file():
-            parser.error(f"--update: {args.out} does not exist (run without --update first)")
-        previous = json.loads(args.out.read_text())
-    return run_main(parser.prog, _run, args, previous, _command_line(parser.prog, argv))
-
-
-def _run(args: argparse.Namespace, previous: dict, command: str) -> int:
+    previous = json.loads(args.out.read_text()) if args.update else {}
+    command = _command_line(PROG, argv)
     args.work.mkdir(parents=True, exist_ok=True)
     results = {**previous, **run(args)}
     results["commands"] = [*previous.get("commands", []), command]

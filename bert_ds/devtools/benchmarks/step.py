@@ -21,6 +21,7 @@ from bert_ds.config import model_preset
 from bert_ds.data.batch import MODEL_INPUTS
 from bert_ds.data.loader import build_loader
 from bert_ds.devtools.benchmarks.timing import alternate, paired_ratio, summary
+from bert_ds.errors import BadInput
 from bert_ds.model import BertForPreTraining
 
 __all__ = ["FIELDS", "dense_labels", "real_batches", "step_benchmark"]
@@ -53,7 +54,7 @@ def _models(preset: str, vocab_size: int) -> tuple[BertForPreTraining, torch.nn.
 
     config = model_preset(preset)
     if vocab_size > config.vocab_size:
-        raise ValueError(f"shard ids reach {vocab_size - 1}, beyond BERT-{preset}'s vocabulary of {config.vocab_size}")
+        raise BadInput(f"shard ids reach {vocab_size - 1}, beyond BERT-{preset}'s vocabulary of {config.vocab_size}")
     torch.manual_seed(0)
     ours = BertForPreTraining(config, kernels="torch").train()
     with contextlib.redirect_stderr(io.StringIO()):
