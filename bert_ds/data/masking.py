@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["MASK_PROB", "RANDOM_PROB", "KEEP_PROB", "default_max_predictions", "num_predictions",
+__all__ = ["IGNORE_INDEX", "MASK_PROB", "RANDOM_PROB", "KEEP_PROB", "default_max_predictions", "num_predictions",
            "prediction_counts", "word_ids_from_pieces", "replace_chosen", "mask_tokens", "choose_pair_positions",
            "pair_positions", "mask_packed_pairs", "counter_hash", "counter_uniforms", "mask_pairs"]
+
+IGNORE_INDEX = -100
+"""Label of a prediction slot without a prediction (an unused masked-LM slot, a token-tagging WordPiece after a word's
+first): ``torch.nn.CrossEntropyLoss``'s default ``ignore_index``, which transformers' losses use too. The one
+definition: the loader's batches, the model's loss and the fine-tuning labels import it from here."""
 
 # BERT paper §3.1: of the chosen tokens 80% become [MASK], 10% a random token, 10% stay unchanged.
 MASK_PROB = 0.8

@@ -5,7 +5,7 @@ layer on top, all weights trained), for every task shape of the paper:
   pooled ``[CLS]`` (``AutoModelForSequenceClassification``); GLUE's CoLA, SST-2, MRPC, QQP, MNLI, QNLI, RTE, WNLI.
 * ``regression``: one output trained with MSE (``num_labels=1``, ``problem_type="regression"``): STS-B.
 * ``multiple_choice``: one score per ``[CLS] context [SEP] ending [SEP]``, softmax over the choices: SWAG.
-* ``token``: a tag per word, carried by the word's first WordPiece (the others are -100, ignored by the loss and
+* ``token``: a tag per word, carried by the word's first WordPiece (the others are IGNORE_INDEX, ignored by the loss and
   the metrics); entity-level F1 for IOB tags: CoNLL-2003.
 * ``qa``: span extraction with document stride, n-best spans and v2.0's null score (``qa.py``): SQuAD.
 
@@ -37,6 +37,7 @@ import torch
 
 from bert_ds import cli_args
 from bert_ds.cli_args import option
+from bert_ds.data.masking import IGNORE_INDEX
 from bert_ds.downstream import qa
 from bert_ds.downstream.identity import check_vocabulary, file_sha256, model_sha256
 from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 
 METRICS_NAME = "finetune_metrics.json"
 PREDICTIONS_NAME = "predictions.json"
-IGNORE_INDEX = -100  # positions the loss skips (transformers' and torch's cross-entropy default)
 DEVICES = ("auto", "cpu", "cuda")
 
 
