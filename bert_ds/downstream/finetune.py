@@ -38,6 +38,7 @@ import torch
 from bert_ds import cli_args
 from bert_ds.cli_args import option
 from bert_ds.data.masking import IGNORE_INDEX
+from bert_ds.data.tokenizer import read_lowercase
 from bert_ds.downstream import qa
 from bert_ds.downstream.identity import check_vocabulary, file_sha256, model_sha256
 from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
@@ -225,16 +226,6 @@ def run_identity(args: FinetuneArgs) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- model
-def _recorded_lowercase(directory: Path) -> bool | None:
-    for name, key in (("tokenizer_meta.json", "lowercase"), ("tokenizer_config.json", "do_lower_case")):
-        path = directory / name
-        if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get(key)
-            if isinstance(value, bool):
-                return value
-    return None
-
-
 def _vocab_lowercase(directory: Path) -> bool | None:
     """An uncased WordPiece vocabulary has no ASCII upper-case letter outside its special tokens (Google's uncased
     vocabulary still holds symbols such as "ℝ" that Python calls upper case)."""
@@ -265,7 +256,7 @@ def check_casing(model_dir: str | Path, tokenizer) -> bool | None:
     else what its vocabulary shows; the tokenizer's is what it does to "Hello" (:func:`_tokenizer_lowercase`).
     Returns the tokenizer's lowercase flag (None when it cannot be told)."""
     model_dir = Path(model_dir)
-    model_lower = _recorded_lowercase(model_dir)
+    model_lower = read_lowercase(model_dir, default=None)
     if model_lower is None:
         model_lower = _vocab_lowercase(model_dir)
     tokenizer_lower = _tokenizer_lowercase(tokenizer)
