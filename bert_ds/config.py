@@ -10,7 +10,13 @@ from pathlib import Path
 
 from bert_ds.errors import BadInput
 
-__all__ = ["BertConfig", "MODEL_PRESETS", "model_preset"]
+__all__ = ["IGNORE_INDEX", "BertConfig", "MODEL_PRESETS", "model_preset"]
+
+IGNORE_INDEX = -100
+"""Label of a prediction slot without a prediction (an unused masked-LM slot, a token-tagging WordPiece after a word's
+first): ``torch.nn.CrossEntropyLoss``'s default ``ignore_index``, which transformers' losses use too. The one
+definition, below both data and model: the loader's batches, the model's loss and the fine-tuning labels import it
+from here."""
 
 
 @dataclass

@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from bert_ds.config import BertConfig, model_preset
+from bert_ds.config import IGNORE_INDEX, BertConfig, model_preset
 from bert_ds.data.loader import build_eval_loader
 from bert_ds.data.tokenizer import read_vocab, vocab_sha256
 from bert_ds.evaluate import evaluate
-from bert_ds.model import IGNORE_INDEX, BertForPreTraining, PretrainingOutput
+from bert_ds.model import BertForPreTraining, PretrainingOutput
 from tests.helpers import HANG_GUARD_S, free_port
 from tests.helpers.ds_checkpoint import TAG, stage_checkpoint_dir
 from tests.helpers.eval_shards import write_shards

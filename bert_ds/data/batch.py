@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
+from bert_ds.config import IGNORE_INDEX  # the label of unused prediction slots, part of this contract
+
 __all__ = ["BATCH_DTYPE", "BATCH_FIELDS", "BATCH_KEYS", "IGNORE_INDEX", "MODEL_INPUTS", "check_batch"]
 
 BATCH_FIELDS: dict[str, tuple[str, ...]] = {
@@ -29,8 +31,6 @@ BATCH_KEYS = tuple(BATCH_FIELDS)
 MODEL_INPUTS = tuple(k for k in BATCH_KEYS if k != "lengths")
 """What :class:`bert_ds.model.BertForPreTraining` takes, in its argument order (``lengths`` is the loader's)."""
 BATCH_DTYPE = torch.int64
-IGNORE_INDEX = -100
-"""Label value of padded prediction slots (``torch.nn.CrossEntropyLoss``'s default ``ignore_index``)."""
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, seq_len: int | None = None,

@@ -13,6 +13,7 @@ __all__ = ["MASK_PROB", "RANDOM_PROB", "KEEP_PROB", "default_max_predictions", "
            "prediction_counts", "word_ids_from_pieces", "replace_chosen", "mask_tokens", "choose_pair_positions",
            "pair_positions", "mask_packed_pairs", "counter_hash", "counter_uniforms", "mask_pairs"]
 
+
 # BERT paper §3.1: of the chosen tokens 80% become [MASK], 10% a random token, 10% stay unchanged.
 MASK_PROB = 0.8
 RANDOM_PROB = 0.1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bert_ds.config import IGNORE_INDEX
 from bert_ds.data.format import Sample, encode_sample, id_dtype_for_vocab
 from bert_ds.data.index import ShardIndex, ShardWriter, shard_name
 from bert_ds.errors import BadInput
@@ -82,6 +83,6 @@ def sample_ids_of_batch(batch: dict) -> np.ndarray:
     ids = batch["input_ids"].numpy().copy()
     positions = batch["masked_lm_positions"].numpy()
     labels = batch["masked_lm_ids"].numpy()
-    rows, cols = np.nonzero(labels != -100)
+    rows, cols = np.nonzero(labels != IGNORE_INDEX)
     ids[rows, positions[rows, cols]] = labels[rows, cols]
     return (ids[:, 1] - ID_BASE) * ID_RADIX + (ids[:, 2] - ID_BASE)

@@ -142,10 +142,11 @@ def continuation_table(tokens: Sequence[str]) -> np.ndarray:
     return np.fromiter((t.startswith("##") for t in tokens), dtype=bool, count=len(tokens))
 
 
-def read_lowercase(directory: str | Path) -> bool:
+def read_lowercase(directory: str | Path, default: bool | None = True) -> bool | None:
     """The lowercase flag of a tokenizer directory: ``tokenizer_meta.json`` ``lowercase``, else a Hugging Face
-    ``tokenizer_config.json`` ``do_lower_case``, else True (a bare ``vocab.txt``, e.g. Google's uncased release, as
-    ``BertTokenizer``'s default)."""
+    ``tokenizer_config.json`` ``do_lower_case``, else ``default``: True (a bare ``vocab.txt``, e.g. Google's uncased
+    release, as ``BertTokenizer``'s default), None for a caller that tells the casing another way. The one reader of
+    a directory's recorded casing (training, the checkpoint copy, fine-tuning's model check)."""
     directory = Path(directory)
     for name, key in ((META_NAME, "lowercase"), (_HF_CONFIG_NAME, "do_lower_case")):
         path = directory / name
@@ -161,7 +162,7 @@ def read_lowercase(directory: str | Path) -> bool:
         if not isinstance(value, bool):
             raise BadInput(f"{path}: field '{key}' must be true or false, got {value!r}")
         return value
-    return True
+    return default
 
 
 @dataclass

@@ -351,7 +351,7 @@ def _predictions(model, loader) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """(input token, prediction, label) at every chosen position of every batch, each of shape (N,)."""
     import torch
 
-    from bert_ds.model import IGNORE_INDEX
+    from bert_ds.config import IGNORE_INDEX
 
     with torch.no_grad():
         for batch in loader:

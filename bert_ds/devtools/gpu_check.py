@@ -51,7 +51,7 @@ import torch
 import bert_ds.kernels as kernels
 from bert_ds.cli import alias
 from bert_ds.cli_args import build_parser, option
-from bert_ds.config import BertConfig, model_preset
+from bert_ds.config import IGNORE_INDEX, BertConfig, model_preset
 from bert_ds.devtools.bench_step import BenchStep, predictions_for, synthetic_batch
 from bert_ds.devtools.golden_resume import CUBLAS_WORKSPACE
 from bert_ds.devtools.gpu_profile import format_profile, profile_steps, profile_training
@@ -463,7 +463,8 @@ def _transformers_training(config: BertConfig, seq: int, batch: int, device: tor
                   attn_implementation="sdpa")
     model = HFBert(hf).to(device=device, dtype=torch.bfloat16).train()
     data = synthetic_batch(config, batch, seq, predictions_for(seq), device)
-    labels = torch.full_like(data["input_ids"], -100).scatter_(1, data["masked_lm_positions"], data["masked_lm_ids"])
+    labels = torch.full_like(data["input_ids"], IGNORE_INDEX)
+    labels.scatter_(1, data["masked_lm_positions"], data["masked_lm_ids"])
     times, losses = [], []
     for step in range(warmup + steps):
         _sync(device)

@@ -40,7 +40,7 @@ class DedupRule:
     """Word n-gram length. 5 words is a phrase rather than a collocation ("return the number of bytes" is one)."""
     near_share: float = 0.5
     """A held-out sentence is a near duplicate when this share of its n-grams occurs in the training text. Measured
-    on the demo's corpus (2026-11-27): the sentences at 0.5 and above are edited copies ("Called when a return trap is
+    on the demo's corpus: the sentences at 0.5 and above are edited copies ("Called when a return trap is
     set here." of "This function is called when ...") or stock phrases; below 0.3 they share a phrase, not a
     sentence."""
     twin_share: float = 0.5

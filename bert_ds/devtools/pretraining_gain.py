@@ -47,7 +47,7 @@ class GainSettings:
     epochs: float = 3.0
     learning_rates: tuple[float, ...] = (1e-3,)
     """Each start is fine-tuned at every rate and scored at the one with the best median. One rate by default, the
-    same for both starts: with (3e-4, 1e-3) both starts were best at 1e-3 (2026-11-27, docs/demo.md) and the grid
+    same for both starts: with (3e-4, 1e-3) both starts were best at 1e-3 (docs/demo.md) and the grid
     doubled step 9's time. The paper's 5e-5 range is for 110M-parameter models; this 2-layer, 128-wide model learns
     nothing in 190 steps at 1e-4."""
     batch_size: int = 32

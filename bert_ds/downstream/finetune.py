@@ -5,7 +5,7 @@ layer on top, all weights trained), for every task shape of the paper:
   pooled ``[CLS]`` (``AutoModelForSequenceClassification``); GLUE's CoLA, SST-2, MRPC, QQP, MNLI, QNLI, RTE, WNLI.
 * ``regression``: one output trained with MSE (``num_labels=1``, ``problem_type="regression"``): STS-B.
 * ``multiple_choice``: one score per ``[CLS] context [SEP] ending [SEP]``, softmax over the choices: SWAG.
-* ``token``: a tag per word, carried by the word's first WordPiece (the others are -100, ignored by the loss and
+* ``token``: a tag per word, carried by the word's first WordPiece (the others are IGNORE_INDEX, ignored by the loss and
   the metrics); entity-level F1 for IOB tags: CoNLL-2003.
 * ``qa``: span extraction with document stride, n-best spans and v2.0's null score (``qa.py``): SQuAD.
 
@@ -38,6 +38,8 @@ import torch
 from bert_ds import cli_args
 from bert_ds.cli import alias
 from bert_ds.cli_args import option
+from bert_ds.config import IGNORE_INDEX
+from bert_ds.data.tokenizer import read_lowercase
 from bert_ds.downstream import qa
 from bert_ds.downstream.identity import check_vocabulary, file_sha256, model_sha256
 from bert_ds.downstream.metrics import compute_metrics, squad_v1, squad_v2
@@ -53,7 +55,6 @@ log = logging.getLogger(__name__)
 
 METRICS_NAME = "finetune_metrics.json"
 PREDICTIONS_NAME = "predictions.json"
-IGNORE_INDEX = -100  # positions the loss skips (transformers' and torch's cross-entropy default)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -226,19 +227,6 @@ def run_identity(args: FinetuneArgs) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- model
-def _recorded_lowercase(directory: Path) -> bool | None:
-    for name, key in (("tokenizer_meta.json", "lowercase"), ("tokenizer_config.json", "do_lower_case")):
-        path = directory / name
-        if path.is_file():
-            try:
-                value = json.loads(path.read_text(encoding="utf-8")).get(key)
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-                raise BadInput(f"{path}: not a JSON object ({exc})") from exc
-            if isinstance(value, bool):
-                return value
-    return None
-
-
 def _vocab_lowercase(directory: Path) -> bool | None:
     """An uncased WordPiece vocabulary has no ASCII upper-case letter outside its special tokens (Google's uncased
     vocabulary still holds symbols such as "ℝ" that Python calls upper case)."""
@@ -272,7 +260,7 @@ def check_casing(model_dir: str | Path, tokenizer) -> bool | None:
     else what its vocabulary shows; the tokenizer's is what it does to "Hello" (:func:`_tokenizer_lowercase`).
     Returns the tokenizer's lowercase flag (None when it cannot be told)."""
     model_dir = Path(model_dir)
-    model_lower = _recorded_lowercase(model_dir)
+    model_lower = read_lowercase(model_dir, default=None)
     if model_lower is None:
         model_lower = _vocab_lowercase(model_dir)
     tokenizer_lower = _tokenizer_lowercase(tokenizer)

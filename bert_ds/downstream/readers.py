@@ -9,15 +9,15 @@ generic CSV / JSON-lines files. ``read_split(spec, path)`` returns normalised re
 Every malformed input raises ``DownstreamInputError`` (a ValueError) naming the file, the line and the column (a
 field number and name, or a JSON path): wrong column count, missing header columns, a label outside the preset's set,
 bytes that are not UTF-8, a cell over ``MAX_CELL_CHARS``, bad JSON, a tag outside the IOB scheme of the file's other
-tags. A training SQuAD answer whose ``answer_start`` does not hold its text is skipped and counted, as Google's
-``run_squad.py`` skips it; more than ``MAX_MISPLACED_ANSWER_SHARE`` of them refuse the file. Records carry the
-``line`` they start on, for messages about them further on. GLUE TSVs are split on tabs with no quoting
-(their sentences contain unbalanced quotes: transformers' GLUE processors read them with ``quotechar=None``).
+tags. A training SQuAD answer whose span ``answer_start .. answer_start + len(text)`` (what training labels) does not
+hold its text is skipped and counted, as Google's ``run_squad.py`` skips the answers it cannot find; more than
+``MAX_MISPLACED_ANSWER_SHARE`` of them refuse the file. Records carry the ``line`` they start on, for messages about
+them further on. GLUE TSVs are split on tabs with no quoting (their sentences contain unbalanced quotes:
+transformers' GLUE processors read them with ``quotechar=None``).
 """
 
 from __future__ import annotations
 
-import bisect
 import csv
 import json
 import logging
@@ -224,29 +224,23 @@ def _read_json_document(path: str | Path):
         raise DownstreamInputError(path, exc.lineno, exc.colno, f"not valid JSON: {exc.msg}") from None
 
 
-# run_squad.py's is_whitespace: space, tab, CR, LF and U+202F (narrow no-break space) separate the context's words.
-_SQUAD_WORD = re.compile(r"[^ \t\r\n\u202f]+")
-
-
 def misplaced_answer(context: str, start: int, text: str) -> str | None:
-    """None when ``answer_start`` holds the answer as Google's ``run_squad.py`` (``read_squad_examples``) checks a
-    training answer: the context's whitespace words from the one holding the span's first character to the one
-    holding its last (a space belongs to the word before it), joined by single spaces, contain the answer's words
-    joined likewise. Else those words: what the span holds instead."""
+    """None when ``answer_start`` holds the answer as training labels it: the characters
+    ``context[start:start + len(text)]`` (the span transformers' ``run_qa.py`` maps to token positions, as
+    :func:`bert_ds.downstream.qa.train_features` does) equal the answer text, whitespace runs collapsed to one space
+    and the ends stripped on both sides. Else what the span holds instead. Google's ``run_squad.py`` checks the
+    whitespace words around the span instead, which passes a span that starts inside the answer's word and labels
+    part of the next word."""
     wanted = " ".join(text.split())
     if not wanted:
         return None
-    words = list(_SQUAD_WORD.finditer(context))
-    starts = [m.start() for m in words]
-    first = max(bisect.bisect_right(starts, start) - 1, 0)
-    last = max(bisect.bisect_right(starts, start + len(text) - 1) - 1, 0)
-    held = " ".join(m.group() for m in words[first:last + 1])
-    return None if wanted in held else held
+    held = " ".join(context[start:start + len(text)].split())
+    return None if held == wanted else held
 
 
 def _drop_misplaced(path, records: list[dict], misplaced: list[tuple], answered: int) -> list[dict]:
-    """Skip the training questions whose answer is not at its ``answer_start`` (run_squad.py's "Could not find
-    answer"), or refuse the file when they are more than MAX_MISPLACED_ANSWER_SHARE of its answers."""
+    """Skip the training questions whose answer is not at its ``answer_start`` (as run_squad.py skips "Could not
+    find answer"), or refuse the file when they are more than MAX_MISPLACED_ANSWER_SHARE of its answers."""
     if not misplaced:
         return records
     line, field, qid, start, held, text = misplaced[0]

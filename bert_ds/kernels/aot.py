@@ -391,7 +391,7 @@ def report(targets: Sequence[GPUTarget] = TARGETS) -> list[KernelReport]:
     return [analyse(b) for b in kernel_builds(targets)]
 
 
-# Block sizes that spill, per architecture (measured 2026-11 with triton 3.9): sm_90 has room where sm_80 spills.
+# Block sizes that spill, per architecture (measured with triton 3.9): sm_90 has room where sm_80 spills.
 _SPILLING_BLOCKS = {
     80: {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 64}, "_attn_bwd_dkdv_kernel": {"BLOCK_M": 32, "BLOCK_N": 64}},
     90: {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 128}, "_attn_bwd_dkdv_kernel": {"BLOCK_M": 64, "BLOCK_N": 64}},

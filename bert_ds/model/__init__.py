@@ -1,5 +1,5 @@
 """Single-device BERT (never imports deepspeed): parameters carry Hugging Face ``BertForPreTraining`` names."""
 
-from bert_ds.model.bert import IGNORE_INDEX, KERNEL_CHOICES, BertForPreTraining, BertModel, PretrainingOutput
+from bert_ds.model.bert import KERNEL_CHOICES, BertForPreTraining, BertModel, PretrainingOutput
 
-__all__ = ["BertForPreTraining", "BertModel", "PretrainingOutput", "IGNORE_INDEX", "KERNEL_CHOICES"]
+__all__ = ["BertForPreTraining", "BertModel", "PretrainingOutput", "KERNEL_CHOICES"]

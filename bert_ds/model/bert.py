@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_ds.config import BertConfig
+from bert_ds.config import IGNORE_INDEX, BertConfig
 from bert_ds.errors import BadInput
 from bert_ds.kernels import BACKENDS
 from bert_ds.model import unpad as unpad_
@@ -26,10 +26,7 @@ from bert_ds.model.heads import BertPreTrainingHeads
 from bert_ds.model.layers import BertEmbeddings, BertEncoder, BertPooler
 from bert_ds.model.unpad import HostCounts, Unpadding
 
-__all__ = ["BertModel", "BertForPreTraining", "PretrainingOutput", "IGNORE_INDEX", "KERNEL_CHOICES"]
-
-IGNORE_INDEX = -100
-"""Label value of a padding slot in ``masked_lm_ids`` (the PyTorch / HF cross-entropy convention)."""
+__all__ = ["BertModel", "BertForPreTraining", "PretrainingOutput", "KERNEL_CHOICES"]
 
 KERNEL_CHOICES = BACKENDS
 """``apex`` only exists for LayerNorm; with it, bias+GELU and attention run ``auto``."""
@@ -139,7 +136,7 @@ class BertForPreTraining(nn.Module):
                 masked_lm_positions: torch.Tensor, masked_lm_ids: torch.Tensor,
                 next_sentence_label: torch.Tensor | None = None, counts: HostCounts | None = None) -> PretrainingOutput:
         """Training/eval step. Shapes: ids/segments/mask (B, S); masked_lm_positions and masked_lm_ids (B, P),
-        padded with position 0 / label -100; next_sentence_label (B,) or None for MLM-only recipes. ``counts``:
+        padded with position 0 / label IGNORE_INDEX; next_sentence_label (B,) or None for MLM-only recipes. ``counts``:
         :func:`bert_ds.model.unpad.host_counts` of the batch, computed before it moved to the device (saves the
         forward's one device-to-host copy); masked positions must be real tokens (the loader checks them)."""
         valid = masked_lm_ids != IGNORE_INDEX  # (B, P)
@@ -162,7 +159,7 @@ class BertForPreTraining(nn.Module):
         rows, _ = self.bert(input_ids, token_type_ids, attention_mask, last_layer_positions=query_positions,
                             unpadding=unpadding)
 
-        # The MLM head runs on the valid masked positions only: (N, H), N = number of labels != -100.
+        # The MLM head runs on the valid masked positions only: (N, H), N = number of labels != IGNORE_INDEX.
         labels = masked_lm_ids.reshape(-1)[chosen]  # (N,)
         mlm_logits = self._mlm_logits(rows[:, 1:].reshape(-1, rows.shape[-1])[chosen])  # (N, vocab_size)
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bert_ds.config import IGNORE_INDEX
+
 __all__ = ["HostCounts", "Unpadding", "host_counts", "plan"]
 
 
@@ -65,12 +67,13 @@ class HostCounts:
     seqlens: tuple[int, ...]
     """Real tokens per row."""
     num_valid: int
-    """Masked-LM labels that are not -100."""
+    """Masked-LM labels that are not IGNORE_INDEX."""
     width: int
     """Prediction slots up to the last valid label of any row: slots after it are padding in every row."""
 
 
-def host_counts(attention_mask: torch.Tensor, masked_lm_ids: torch.Tensor, ignore_index: int = -100) -> HostCounts:
+def host_counts(attention_mask: torch.Tensor, masked_lm_ids: torch.Tensor,
+                ignore_index: int = IGNORE_INDEX) -> HostCounts:
     """The batch's :class:`HostCounts` in one device-to-host copy (none for CPU tensors)."""
     lengths = attention_mask.bool().sum(1)
     valid = masked_lm_ids != ignore_index

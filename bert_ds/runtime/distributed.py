@@ -153,10 +153,9 @@ def leave_process_group_at_exit() -> None:
 
 def leave_process_group() -> None:
     """Destroy the default process group, if there is one, before this rank exits. Left to interpreter exit, gloo's
-    threads were torn down by C++ static destruction, and ranks died of "terminate called without an active
-    exception" (SIGABRT, launcher exit 250 instead of 2) in full test runs: refusing a resume (2026-11-25,
-    tests/faults/test_fault_table_integrity.py), ending a LAMB test worker normally (2026-11-26,
-    tests/optim/test_lamb_zero.py); torch's documentation asks for ``destroy_process_group()`` before exit."""
+    threads are torn down by C++ static destruction, which can kill the rank with "terminate called without an
+    active exception" (SIGABRT: the launcher then exits 250 instead of the rank's own code, a refusal's 2 included);
+    torch's documentation asks for ``destroy_process_group()`` before exit."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -118,6 +118,10 @@ def test_read_lowercase(files, expected, tmp_path):
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     assert read_lowercase(tmp_path) is expected
+    # default=None (fine-tuning's model check, which then looks at the vocabulary): only what a file records.
+    recorded = "lowercase" in files.get("tokenizer_meta.json", {}) or "do_lower_case" in files.get(
+        "tokenizer_config.json", {})
+    assert read_lowercase(tmp_path, default=None) is (expected if recorded else None)
 
 
 @pytest.mark.parametrize("name, data, field", [("tokenizer_meta.json", {"lowercase": "yes"}, "lowercase"),

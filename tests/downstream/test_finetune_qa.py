@@ -4,6 +4,7 @@ official-metric scores beat a fixed-answer baseline."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -95,3 +96,73 @@ def test_squad_layout_beats_baseline(hub_bert, corpus_documents, tmp_path, versi
     # epoch (10 steps) is plenty (2026-11-28, 2 cores): v1.1 F1 95.6 vs baseline 0.0, v2.0 F1 90.0 vs 20.0 (three
     # epochs: 98.9 and 90.3, at three times the CPU).
     assert dev_scores["f1"] >= baseline + 30, (dev_scores, baseline)
+
+
+
+def _shift_answers(train, by: int, questions: int | None = None, inside_word: bool = False) -> list[dict]:
+    """Move the first ``questions`` (all: None) training answer_starts ``by`` characters later, rewrite the file and
+    return the shifted questions as records. ``inside_word``: keep only the questions whose span still starts inside
+    the answer's whitespace word and ends inside the context, where run_squad.py's check (the words the span touches
+    contain the answer) passes."""
+    doc = json.loads(train.read_text(encoding="utf-8"))
+    shifted = []
+    for article in doc["data"]:
+        for paragraph in article["paragraphs"]:
+            context, kept = paragraph["context"], []
+            for qa_ in paragraph["qas"]:
+                answer = qa_["answers"][0]
+                text, start = answer["text"], answer["answer_start"] + by
+                if questions is not None and len(shifted) >= questions:
+                    kept.append(qa_)
+                elif not inside_word or (start + len(text) <= len(context)
+                                         and text in _words_around(context, start, len(text))):
+                    answer["answer_start"] = start
+                    kept.append(qa_)
+                    shifted.append({**EXAMPLE, "id": qa_["id"], "context": context,
+                                    "answers": {"text": [text], "answer_start": [start]}})
+            paragraph["qas"] = kept
+        article["paragraphs"] = [p for p in article["paragraphs"] if p["qas"]]
+    doc["data"] = [a for a in doc["data"] if a["paragraphs"]]
+    train.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    return shifted
+
+
+def _words_around(context: str, start: int, length: int) -> str:
+    """Google's run_squad.py check: the whitespace words the span [start, start + length) touches."""
+    return " ".join(m.group() for m in re.finditer(r"\S+", context) if m.start() < start + length and m.end() > start)
+
+
+def test_answers_three_characters_late_are_refused(hub_bert, corpus_documents, tmp_path, capsys):
+    """Every answer_start 3 characters late, inside the answer's word (so run_squad.py's check passes each): the
+    labelled tokens are never the answer, and the file is refused, naming it."""
+    train, _ = write_squad(corpus_documents, tmp_path / "squad", n_train_q=200, n_dev_q=20, version=1)
+    shifted = _shift_answers(train, 3, inside_word=True)
+    assert len(shifted) >= 60, len(shifted)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hub_bert)
+    labelled = [tokenizer.decode(f["input_ids"][f["start_positions"]:f["end_positions"] + 1])
+                for f in qa.train_features(tokenizer, shifted, max_seq_length=128, doc_stride=32)]
+    assert len(labelled) == len(shifted)
+    assert not {e["answers"]["text"][0] for e in shifted} & set(labelled)  # no window labels its answer
+    out = tmp_path / "qa"
+    assert main(["--model", str(hub_bert), "--task", "squad_v1", "--data-dir", str(train.parent), "--out", str(out),
+                 "--device", "cpu", "--max-seq-length", "128", "--doc-stride", "32", "--max-query-length", "48"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bert-ds-finetune: error: {train}: line "), err
+    assert "answers[0].answer_start: question 'q" in err, err
+    assert f"({len(shifted)} of {len(shifted)} training answers miss their text" in err, err
+    assert not out.exists()
+
+
+def test_one_answer_off_its_start_is_skipped_and_counted(hub_bert, corpus_documents, tmp_path, caplog):
+    """One answer_start of 160 three characters late: that question is skipped with a warning that counts it, the
+    others train."""
+    train, _ = write_squad(corpus_documents, tmp_path / "squad", n_train_q=160, n_dev_q=20, version=1)
+    (bad,) = _shift_answers(train, 3, questions=1)
+    out = tmp_path / "qa"
+    with caplog.at_level("WARNING"):
+        assert main(["--model", str(hub_bert), "--task", "squad_v1", "--data-dir", str(train.parent), "--out",
+                     str(out), "--device", "cpu", "--epochs", "0.1", "--batch-size", "16", "--max-seq-length", "128",
+                     "--doc-stride", "32", "--max-query-length", "48"]) == 0
+    assert f"{train}: skipped 1 of 160 training questions whose answer_start does not hold the answer text" \
+        in caplog.text and repr(bad["id"]) in caplog.text
+    assert json.loads((out / METRICS_NAME).read_text())["train_examples"] == 159

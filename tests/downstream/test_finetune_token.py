@@ -8,7 +8,8 @@ import json
 import pytest
 import transformers
 
-from bert_ds.downstream.finetune import IGNORE_INDEX, METRICS_NAME, FinetuneArgs, _encode_tokens, main
+from bert_ds.config import IGNORE_INDEX
+from bert_ds.downstream.finetune import METRICS_NAME, FinetuneArgs, _encode_tokens, main
 from tests.helpers.downstream_data import write_conll
 
 

@@ -337,18 +337,20 @@ def _squad_file(path, answers: list[tuple[str, str, int]]) -> None:
     path.write_text(json.dumps({"version": "1.1", "data": data}, indent=1), encoding="utf-8")
 
 
-def test_misplaced_answer_is_run_squads_rule():
+def test_misplaced_answer_is_the_labelled_span():
     from bert_ds.downstream.readers import misplaced_answer
 
     context = "The tower is 324 metres tall.  It opened\tin 1889."
     assert misplaced_answer(context, context.index("324"), "324") is None
-    assert misplaced_answer(context, context.index("324") + 1, "324") is None  # same whitespace word: found
     assert misplaced_answer(context, context.index("1889"), "1889.") is None
     assert misplaced_answer(context, context.index("opened"), "opened in") is None  # whitespace normalised
+    assert misplaced_answer(context, context.index("tall.") + 6, " It") is None  # ends stripped on both sides
     assert misplaced_answer(context, 0, "324") == "The"
-    # A span starting on the spaces before "It" belongs to the word before them: "It" is not found there.
-    assert misplaced_answer(context, context.index("tall.") + 5, "It") == "tall."
-    assert misplaced_answer(context, context.index("tall.") + 5, "It closed") == "tall. It opened"
+    # Inside the answer's word: run_squad.py's whitespace words ("324 metres") contain "324"; the span is "24 ".
+    assert misplaced_answer(context, context.index("324") + 1, "324") == "24"
+    assert misplaced_answer(context, context.index("324") + 3, "324") == "me"
+    assert misplaced_answer(context, context.index("tall.") + 5, "It") == ""  # two spaces
+    assert misplaced_answer(context, context.index("tall.") + 6, "It") == "I"
 
 
 def test_squad_training_answers_off_their_start_are_skipped_or_refused(tmp_path, caplog):

@@ -51,8 +51,7 @@ from tests.helpers.faults import (
     limit_memory,
     patch_file,
     rehash,
-    report_row,
-    run,
+    run_row,
     signal_every_rank,
     tool_cmd,
 )
@@ -744,18 +743,7 @@ def test_table_has_every_item():
                                   if c.level == LAUNCHED])
 def test_fault(case: Case, request, tmp_path, shards_128, shards_512, tokenizer_dir):
     ctx = Ctx(tmp=tmp_path, request=request, s128=shards_128, s512=shards_512, tokenizer=tokenizer_dir)
-    out = run(case, case.setup(ctx))
-    message = out.first_line(case.first_line)
-    lost = "not checked (an assertion above failed)"
-    try:
-        assert out.returncode == case.exit_code, f"exit {out.returncode}\n{out.text()[-5000:]}"
-        assert message is not None, f"no line matches {case.first_line!r}\n{out.text()[-5000:]}"
-        pattern = case.message.replace("{culprit}", re.escape(ctx.culprit))
-        assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
-        assert not out.survivors, f"processes outlived the command: {out.survivors}"
-        lost = case.check(ctx, out)
-    finally:
-        report_row(case.id, case.item, out, message, lost)
+    run_row(case, ctx, tracebacks=True)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
 import signal
 import socket
@@ -32,15 +31,13 @@ from bert_ds.exit_codes import ExitCode
 from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.downstream_data import MINILM
 from tests.helpers.faults import (
-    ERROR_LINE,
     IN_PROCESS,
     FaultContext,
     Launch,
     Outcome,
     fault_recipe,
     limit_file_size,
-    report_row,
-    run,
+    run_row,
     tree_bytes,
 )
 from tests.helpers.faults import FaultCase as Case
@@ -273,18 +270,4 @@ def test_fault(case: Case, request, tmp_path, english_corpus, shards_128, shards
     ctx = Ctx(tmp=tmp_path, request=request, s128=shards_128, s512=shards_512, tokenizer=tokenizer_dir,
               corpus=english_corpus)
     with ctx.cleanup:
-        out = run(case, case.setup(ctx))
-        errors = [ln.rstrip("\n") for ln in out.lines if re.search(ERROR_LINE, ln) or re.search(r"\berror: ", ln)]
-        message = errors[0] if errors else None
-        lost = "not checked (an assertion above failed)"
-        try:
-            assert out.returncode == case.exit_code, f"exit {out.returncode}\n{out.text()[-5000:]}"
-            pattern = case.message.replace("{culprit}", re.escape(ctx.culprit))
-            assert message is not None, f"no error line\n{out.text()[-5000:]}"
-            assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
-            assert len(set(errors)) == 1, f"more than one distinct error line: {errors}"
-            assert "Traceback" not in out.text(), out.text()[-5000:]
-            assert not out.survivors, f"processes outlived the command: {out.survivors}"
-            lost = case.check(ctx, out)
-        finally:
-            report_row(case.id, case.item, out, message, lost)
+        run_row(case, ctx, one_error=True)

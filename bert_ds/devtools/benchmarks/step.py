@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bert_ds.config import model_preset
+from bert_ds.config import IGNORE_INDEX, model_preset
 from bert_ds.data.batch import MODEL_INPUTS
 from bert_ds.data.loader import build_loader
 from bert_ds.devtools.benchmarks.timing import alternate, paired_ratio, summary
@@ -38,10 +38,10 @@ def real_batches(data_dir: Path, batch_size: int, count: int, seed: int = 0) -> 
 
 
 def dense_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """transformers' label layout: (B, S), the original id at each masked position, -100 elsewhere."""
+    """transformers' label layout: (B, S), the original id at each masked position, IGNORE_INDEX elsewhere."""
     ids, positions = batch["masked_lm_ids"], batch["masked_lm_positions"]
-    dense = torch.full_like(batch["input_ids"], -100)
-    valid = ids != -100
+    dense = torch.full_like(batch["input_ids"], IGNORE_INDEX)
+    valid = ids != IGNORE_INDEX
     rows = torch.arange(ids.shape[0])[:, None].expand_as(ids)
     dense[rows[valid], positions[valid]] = ids[valid]
     return dense
@@ -87,11 +87,12 @@ def step_benchmark(data_dir: Path, *, preset: str = "base", batch_size: int = 8,
     times = alternate({"bert_ds": step_ours, "transformers": step_theirs}, repeats)
     timed = batches[1:]
     real = sum(int(b["attention_mask"].sum()) for b in timed)
+    masked = sum(int((b["masked_lm_ids"] != IGNORE_INDEX).sum()) for b in timed)
     slots = sum(b["attention_mask"].numel() for b in timed)
     return {
         "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "threads": torch.get_num_threads(),
         "data_dir": str(data_dir), "fill": real / slots,
-        "masked_per_sequence": sum(int((b["masked_lm_ids"] != -100).sum()) for b in timed) / (len(timed) * batch_size),
+        "masked_per_sequence": masked / (len(timed) * batch_size),
         "bert_ds": summary(times["bert_ds"]), "transformers": summary(times["transformers"]),
         "speedup": paired_ratio(times["transformers"], times["bert_ds"]),
         "bert_ds_sequences_per_s": batch_size / summary(times["bert_ds"])["median_s"],
