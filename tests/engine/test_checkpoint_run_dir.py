@@ -21,13 +21,14 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.checkpoint import save as ckpt_save
 from bert_ds.config import model_preset
 from tests.helpers import HANG_GUARD_S
+from tests.helpers.run_state import fake_run_state
 from tests.helpers.runs import REPO
 
 
 def _tag(ckpt_dir: Path, tag: str, phase_done: bool = False) -> Path:
     (ckpt_dir / tag).mkdir(parents=True)
     (ckpt_dir / tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
-    (ckpt_dir / tag / ckpt.RUN_STATE_NAME).write_text(json.dumps({"phase_done": phase_done}))
+    (ckpt_dir / tag / ckpt.RUN_STATE_NAME).write_text(json.dumps(fake_run_state(phase_done=phase_done).to_dict()))
     return ckpt_dir / tag
 
 
