@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from bert_ds.optim.schedule import apply_elapsed, rescale_peak
 from bert_ds.runtime.distributed import seed_everything
 from bert_ds.runtime.preflight import RunPlan, StartPoint, loader_for_phase
 from bert_ds.runtime.stall import NoWatchdog, StallWatchdog
+
+if TYPE_CHECKING:
+    from bert_ds.data.loader import MixedShardLoader, ShardLoader
 
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "Preemption",
            "StepRecord", "run_phase", "train_step"]
@@ -224,8 +228,11 @@ class _Phase:
 
     index: int
     te: object
-    loader: object
-    eval_loader: object | None
+    loader: ShardLoader | MixedShardLoader
+    """The phase's training loader: one surface for one shard set and a mix (iterate, ``state_dict``,
+    ``load_state_dict``, ``describe``, ``mix_change``), built by :func:`~bert_ds.runtime.preflight.loader_for_phase`."""
+    eval_loader: dict | None
+    """Held-out set name -> its eval loader (one entry: one set), or None without ``--eval-data`` for the phase."""
     step: int
     consumed: int
     last_good: str | None
@@ -270,7 +277,7 @@ def _build_loaders(plan: RunPlan, p: int):
                                              expected_vocab_sha256=plan.vocab_sha256,
                                              max_predictions=phase.max_predictions, verify=plan.loader_verify)
                    for s in plan.eval_sources[p]}
-        eval_loader = loaders if len(loaders) > 1 else next(iter(loaders.values()))
+        eval_loader = loaders
     elif phase.target_mlm_accuracy is not None and plan.rank == 0:
         log.warning("phases[%d].target_mlm_accuracy=%s is ignored without --eval-data for phase %d: it runs all %d "
                     "steps", p, phase.target_mlm_accuracy, p + 1, phase.steps)
@@ -371,10 +378,10 @@ def _evaluate_and_maybe_stop(plan: RunPlan, ph: _Phase, metrics, done: bool) -> 
         return done
     engine = ph.te.engine
     ph.watch.begin(f"phase {ph.index + 1} step {ph.step}: evaluation", slow=True)
-    if isinstance(ph.eval_loader, dict):
+    if len(ph.eval_loader) > 1:
         result = evaluate_sources(engine.module, ph.eval_loader, engine.device)
     else:
-        result = evaluate(engine.module, ph.eval_loader, engine.device)
+        result = evaluate(engine.module, next(iter(ph.eval_loader.values())), engine.device)
     metrics.log_eval(plan.first_step_of(ph.index) + ph.step, result)
     engine.train()
     accuracy = result.get("mlm_accuracy")
