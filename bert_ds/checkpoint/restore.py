@@ -65,7 +65,7 @@ def _load_engine(engine, ckpt_dir: Path, tag: str, saved_world: int, world: int)
     stage = engine.zero_optimization_stage()
     if stage == 0 and saved_world != world:
         raise BadInput(f"checkpoint {tag!r} was written by {saved_world} ranks without ZeRO partitions of its own; "
-                         f"resume it on {saved_world} ranks or use ZeRO stage 1/2")
+                       f"resume it on {saved_world} ranks or use ZeRO stage 1/2")
     if stage not in (0, 1, 2):
         raise BadInput(f"checkpoint {tag!r}: resuming needs ZeRO stage 0, 1 or 2 (deepspeed.zero_stage is {stage})")
     with deepspeed_loads_weights_only(ckpt_dir / tag):
@@ -117,7 +117,7 @@ def open_handoff(ckpt_dir: str | Path, tag: str, phase_index: int) -> Handoff:
     state = read_run_state(ckpt_dir, tag)
     if not state.phase_done:
         raise BadInput(f"phase {phase_index + 1} cannot start from {tag!r}: its run_state.json has phase_done "
-                         f"false (phase {phase_index} did not finish there)")
+                       f"false (phase {phase_index} did not finish there)")
     return Handoff(ckpt_dir=Path(ckpt_dir), tag=tag, run_state=state)
 
 
@@ -128,11 +128,11 @@ def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
     files = zero_partition_files(tag_dir)
     if len(files) != saved_world_size:
         raise BadInput(f"checkpoint {tag_dir.name!r}: {len(files)} ZeRO partition files for {saved_world_size} "
-                         f"saved ranks")
+                       f"saved ranks")
     saved = [load_tensor_file(f) for f in files]
     if not is_elastic_zero_state(saved[0]):
         raise BadInput(f"checkpoint {tag_dir.name!r} was not saved with zero_optimization.elastic_checkpoint; it can "
-                         f"only be resumed on {saved_world_size} ranks")
+                       f"only be resumed on {saved_world_size} ranks")
     return saved
 
 

@@ -215,7 +215,7 @@ class _TrainLoader:
                 continue
             if state.get(name) != want:
                 raise BadInput(f"loader state: field '{name}' is {state.get(name)!r} but this loader has "
-                                 f"{want!r}; resuming would not continue the same sample stream")
+                               f"{want!r}; resuming would not continue the same sample stream")
         consumed = int(state["consumed_global_batches"])
         into = int(state["micro_steps_into_global_batch"])
         if into:
@@ -267,7 +267,7 @@ class ShardLoader(_TrainLoader):
         if "mix" in state:
             names = [entry.get("source") for entry in state["mix"]]
             raise BadInput(f"loader state: field 'mix' lists {names}: the checkpoint read a weighted mix, this run "
-                             "one unweighted shard set; give --data the mix, or use a new --output")
+                           "one unweighted shard set; give --data the mix, or use a new --output")
         # changing the masking recipe on resume is allowed; it does not move the sample stream
         consumed, into = self._check_state(state, skip=("dynamic_masking",))
         self._delivered = consumed * self._dataset.accumulation + into
@@ -306,8 +306,8 @@ class MixedShardLoader(_TrainLoader):
         the saved global batch, each source kept goes on where it was, a new one from its start."""
         if not isinstance(state.get("mix"), list):
             raise BadInput("loader state: field 'mix' is missing: the checkpoint read one unweighted shard set, "
-                             "this run a weighted mix; an unweighted run cannot become a mix on resume: use the "
-                             "original --data or a new --output")
+                           "this run a weighted mix; an unweighted run cannot become a mix on resume: use the "
+                           "original --data or a new --output")
         consumed, into = self._check_state(state, skip=("dynamic_masking", "mix", "mix_rule"))
         changes = mix_changes(state["mix"], self._fingerprint["mix"]) + rule_changes(state.get("mix_rule"))
         saved = check_source_samples(state, len(state["mix"]), consumed * self._dataset.global_batch_size)
@@ -316,7 +316,7 @@ class MixedShardLoader(_TrainLoader):
         if changes:
             if into:
                 raise BadInput(f"loader state is {into} micro step(s) into global batch {consumed}: a new mix can "
-                                 "only start on a global-batch boundary")
+                               "only start on a global-batch boundary")
             by_sha = {e["shard_set_sha256"]: n for e, n in zip(state["mix"], saved, strict=True)}
             saved = [by_sha.get(e["shard_set_sha256"], 0) for e in self._fingerprint["mix"]]
             self.mix_change = "; ".join(changes)
@@ -365,7 +365,7 @@ def _open_checked(data_dir: str | Path, *, expected_seq_len: int | None, expecte
         max_predictions = int(needed)
     elif max_predictions < needed:
         raise BadInput(f"max_predictions={max_predictions} is below the {needed} predictions per sample "
-                         f"{'dynamic masking makes' if dynamic_masking else 'index.json allows'}")
+                       f"{'dynamic masking makes' if dynamic_masking else 'index.json allows'}")
     return reader, max_predictions
 
 
@@ -392,7 +392,7 @@ def build_loader(data_dir: str | Path | Sequence[Source], *, global_batch_size: 
     per_step = micro_batch_size * world_size
     if global_batch_size <= 0 or global_batch_size % per_step:
         raise BadInput(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * "
-                         f"world_size = {micro_batch_size} * {world_size} = {per_step}")
+                       f"world_size = {micro_batch_size} * {world_size} = {per_step}")
     options = dict(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, rank=rank,
                    world_size=world_size, seed=seed, num_workers=num_workers, expected_seq_len=expected_seq_len,
                    expected_vocab_sha256=expected_vocab_sha256, max_predictions=max_predictions,
@@ -417,7 +417,7 @@ def _single_loader(data_dir: str | Path, *, global_batch_size: int, micro_batch_
                               max_open_shards=max(32, 2 * shuffle_window_shards + 2))
     if reader.num_samples < global_batch_size:
         raise BadInput(f"{data_dir}: {reader.num_samples} samples is less than one global batch "
-                         f"({global_batch_size})")
+                       f"({global_batch_size})")
     index = reader.index
     order = EpochOrder([s.samples for s in index.shards], seed=seed, shuffle=shuffle,
                        window_shards=shuffle_window_shards)
@@ -460,7 +460,7 @@ def _open_sources(sources: list[Source], *, expected_seq_len: int | None, expect
         for name in ("seq_len", "vocab_sha256"):
             if getattr(this, name) != getattr(first, name):
                 raise BadInput(f"mix source {source.name!r}: {source.path}/index.json field '{name}' is "
-                                 f"{getattr(this, name)!r} but source {sources[0].name!r} has {getattr(first, name)!r}")
+                               f"{getattr(this, name)!r} but source {sources[0].name!r} has {getattr(first, name)!r}")
     return readers, max(slots)
 
 
@@ -476,7 +476,7 @@ def _mixed_loader(sources: list[Source], *, global_batch_size: int, micro_batch_
     for i, sha in enumerate(hashes):
         if hashes.index(sha) != i:
             raise BadInput(f"mix sources {sources[hashes.index(sha)].name!r} and {sources[i].name!r} hold the same "
-                             "shard set; list it once with the sum of the weights")
+                           "shard set; list it once with the sum of the weights")
     seeds = [source_seed(seed, sha) for sha in hashes]
     orders = [EpochOrder([s.samples for s in r.index.shards], seed=k, shuffle=shuffle,
                          window_shards=shuffle_window_shards) for r, k in zip(readers, seeds, strict=True)]

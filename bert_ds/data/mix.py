@@ -87,7 +87,7 @@ def parse_sources(spec: str, flag: str, *, weighted: bool = True) -> list[Source
         dup = next((x for x in seen if seen.count(x) > 1), None)
         if dup is not None:
             raise BadInput(f"{flag} {spec!r}: {'directory' if attr == 'path' else 'name'} {dup!r} is listed twice; "
-                             "each source of a mix needs its own directory name")
+                           "each source of a mix needs its own directory name")
     return sources
 
 
@@ -143,7 +143,7 @@ def check_source_samples(state: dict, n_sources: int, drawn: int) -> list[int]:
           and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) and sum(counts) == drawn)
     if not ok:
         raise BadInput(f"loader state: field 'source_samples' is {counts!r:.120}, need {n_sources} non-negative "
-                         f"integers summing to the {drawn} samples its global batches drew")
+                       f"integers summing to the {drawn} samples its global batches drew")
     return counts
 
 

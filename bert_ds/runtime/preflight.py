@@ -89,7 +89,7 @@ class RunArgs:
         t = self.step_timeout
         if t is not None and not (t == 0 or (math.isfinite(t) and t >= 1)):
             raise BadInput(f"--step-timeout {t:g}: give the seconds a training step may take (at least 1), or 0 to "
-                             f"turn the progress watchdog off")
+                           f"turn the progress watchdog off")
         if self.max_steps is not None and self.max_steps < 1:
             raise BadInput(f"--max-steps must be >= 1, got {self.max_steps}")
 
@@ -178,11 +178,11 @@ def _training_data(args: RunArgs, recipe: Recipe, phases: list[int], rank: int
         entries = recipe.phases[p].data
         if entries is None:
             raise BadInput(f"--data is not given and recipe {args.recipe} has no phases[{p}].data: name phase "
-                             f"{p + 1}'s shard directories on the command line or in the recipe")
+                           f"{p + 1}'s shard directories on the command line or in the recipe")
         for i, entry in enumerate(entries):
             if not Path(entry.path).is_dir():
                 raise BadInput(f"recipe {args.recipe}: phases[{p}].data[{i}].path {entry.path!r} is not a "
-                                 f"directory (a relative path is read from the recipe file's directory)")
+                               f"directory (a relative path is read from the recipe file's directory)")
         sources[p] = [Source(e.path, e.weight) for e in entries]
         data[p] = ",".join(e.path if e.weight is None else f"{e.path}:{e.weight!r}" for e in entries)
         labels[f"recipe {args.recipe} phases[{p}].data"] = {p: sources[p]}
@@ -236,7 +236,7 @@ def _model_config(args: RunArgs, recipe: Recipe, tokenizer) -> BertConfig:
                                     attention_probs_dropout_prob=config.attention_probs_dropout_prob)
     if hf_config.vocab_size != tokenizer.vocab_size:
         raise BadInput(f"--init-from-hf {args.init_from_hf}: field 'vocab_size' is {hf_config.vocab_size} but the "
-                         f"tokenizer/shards have {tokenizer.vocab_size}")
+                       f"tokenizer/shards have {tokenizer.vocab_size}")
     _check_init_vocabulary(args, tokenizer)
     return hf_config
 
@@ -270,14 +270,14 @@ def _check_init_vocabulary(args: RunArgs, tokenizer) -> None:
     own = directory_vocabulary(args.init_from_hf)
     if own is None:
         raise BadInput(f"{where}: no vocab.txt or tokenizer.json, so nothing shows that its token ids mean what "
-                         f"--tokenizer {args.tokenizer}'s do; put the vocabulary it was trained with beside its "
-                         f"config.json")
+                       f"--tokenizer {args.tokenizer}'s do; put the vocabulary it was trained with beside its "
+                       f"config.json")
     tokens, source = own
     difference = vocabulary_difference(tokens, tokenizer.vocab, str(source), str(tokenizer.vocab_file))
     if difference:
         raise BadInput(f"{where}: its vocabulary is not --tokenizer {args.tokenizer}'s ({difference}): its "
-                         f"embeddings would be read as other words. Pre-train with the checkpoint's own tokenizer "
-                         f"(make the shards with it) or start from scratch")
+                       f"embeddings would be read as other words. Pre-train with the checkpoint's own tokenizer "
+                       f"(make the shards with it) or start from scratch")
 
 
 def _check_shards(recipe: Recipe, phases: list[int], sources_by_flag: dict[str, dict[int, list[Source]]],
@@ -314,13 +314,13 @@ def _check_shard_set(recipe: Recipe, p: int, label: str, directory: str, context
                            where=f"{label} ({context or f'phases[{p}]'})")
     if index.lowercase != lowercase:  # same vocab.txt, other casing: capitalised words would become [UNK]
         raise BadInput(f"{label}/index.json{suffix}: field 'lowercase' is {index.lowercase} "
-                         f"({_casing(index.lowercase)}) but --tokenizer {tokenizer_dir} is "
-                         f"{_casing(lowercase)} (lowercase={lowercase}); use the tokenizer the shards were "
-                         f"made with")
+                       f"({_casing(index.lowercase)}) but --tokenizer {tokenizer_dir} is "
+                       f"{_casing(lowercase)} (lowercase={lowercase}); use the tokenizer the shards were "
+                       f"made with")
     shard_preds = index.masking.get("max_predictions")
     if not phase.dynamic_masking and shard_preds is not None and shard_preds > phase.max_predictions:
         raise BadInput(f"{label}/index.json{suffix}: field 'masking.max_predictions' is {shard_preds} "
-                         f"but phases[{p}].max_predictions is {phase.max_predictions}")
+                       f"but phases[{p}].max_predictions is {phase.max_predictions}")
     if verify_level != "none":
         try:
             verify_shard_set(directory, verify_level).raise_for_errors()
@@ -338,9 +338,9 @@ def _fresh_start(args: RunArgs, phases: list[int], ckpt_dir: Path) -> StartPoint
     if phases[0] > 0 and not args.init_from_hf:
         if args.resume == "none":
             raise BadInput("--phase 2 starts from phase 1's final checkpoint in --output (use --resume auto) "
-                             "or from --init-from-hf")
+                           "or from --init-from-hf")
         raise BadInput(f"--phase 2: {ckpt_dir} holds no phase-1 checkpoint to start from; "
-                         "run phase 1 first or pass --init-from-hf")
+                       "run phase 1 first or pass --init-from-hf")
     return StartPoint(phase=phases[0], step=0, tag=None, handoff=False)
 
 
@@ -350,7 +350,7 @@ def _start_point(args: RunArgs, recipe: Recipe, phases: list[int], ckpt_dir: Pat
     tag = ckpt.read_latest(ckpt_dir) if ckpt_dir.is_dir() else None
     if args.resume == "none" and tag is not None:
         raise BadInput(f"{ckpt_dir} already holds checkpoint {tag!r}: pass --resume auto to continue it, or choose "
-                         f"a new --output")
+                       f"a new --output")
     if tag is None:
         return _fresh_start(args, phases, ckpt_dir)
     # verified first: everything below reads the tag's run_state.json, which its checks cover
@@ -390,8 +390,8 @@ def _check_run_matches(ckpt_dir: Path, tag: str, args: RunArgs, tokenizer, model
         if differ:
             field = differ[0]
             raise BadInput(f"{where}: {ckpt_dir / ckpt.MODEL_CONFIG_NAME} field {field!r} is "
-                             f"{saved_cfg.get(field)!r} but this run's model has {model_config.to_dict().get(field)!r}"
-                             f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
+                           f"{saved_cfg.get(field)!r} but this run's model has {model_config.to_dict().get(field)!r}"
+                           f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
 
 
 def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> tuple[str, tuple[str, ...]]:
@@ -416,7 +416,7 @@ def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> t
             return tag, tuple(name for name, _ in skipped)
         skipped.append((tag, damage[0] + (f" and {len(damage) - 1} more file(s)" if len(damage) > 1 else "")))
     raise BadInput(f"--resume auto: checkpoint {skipped[0][0]} is damaged: {skipped[0][1]}; no older intact tag in "
-                     f"{ckpt_dir} to fall back to")
+                   f"{ckpt_dir} to fall back to")
 
 
 def _gather_lines(lines: list[str]) -> list[str]:
@@ -478,7 +478,7 @@ def _nothing_to_do(plan: RunPlan) -> str | None:
         return f"nothing to do: {start.tag} already finished the selected phase(s)"
     if start.phase not in phases:
         raise BadInput(f"--phase {plan.args.phase}: the newest checkpoint {start.tag!r} is in phase "
-                         f"{start.phase + 1}")
+                       f"{start.phase + 1}")
     max_steps = plan.args.max_steps
     if max_steps is not None and plan.first_step_of(start.phase) + start.step >= max_steps:
         # re-running a finished --max-steps command trains nothing and saves nothing
