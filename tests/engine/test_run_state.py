@@ -105,12 +105,14 @@ def _plan(tmp_path: Path, data: tuple[Path, Path], *extra: str, recipe: dict | N
 
 def test_the_trainer_and_preflight_build_the_same_loader(synthetic_data, tmp_path, monkeypatch):
     """Both ask ``loader_for_phase``: the same keywords but the workers and the verify level (which change how
-    batches are made, never which), dynamic masking included (pre-flight once built its own without it)."""
+    batches are made, never which), dynamic masking included. Pre-flight once built its own loader without it, and
+    so refused to resume this phase (10 predictions a row, below the shards' static 20, which dynamic masking does not
+    use): "max_predictions=10 is below the 20 predictions per sample index.json allows"."""
     import bert_ds.data.loader as loader_module
     from bert_ds.runtime import trainer
 
     recipe = json.loads(json.dumps(SMALL_RECIPE))
-    recipe["phases"][0].update(dynamic_masking=True, masked_lm_prob=0.2)
+    recipe["phases"][0].update(dynamic_masking=True, masked_lm_prob=0.2, max_predictions=10)
     plan = _plan(tmp_path, synthetic_data, recipe=recipe)
     loader, _ = trainer._build_loaders(plan, 0)
     # a checkpoint of that loader after 2 steps, resumed: pre-flight checks the loader position
