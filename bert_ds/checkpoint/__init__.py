@@ -25,11 +25,14 @@ from bert_ds.checkpoint.layout import (
     LAST_SAVE_NAME,
     MODEL_CONFIG_NAME,
     RUN_STATE_NAME,
+    RUN_STATE_SCHEMA,
     TAG_VOCAB_NAME,
     TOKENIZER_DIR_NAME,
     CheckpointRef,
     CheckpointSaveError,
     RunLockedError,
+    RunState,
+    TokenizerMismatch,
     checkpoint_dir,
     first_id_differing,
     heartbeat_file,
@@ -47,7 +50,7 @@ from bert_ds.checkpoint.layout import (
     set_aside_damaged,
     tag_for,
     tokenizer_dir,
-    trained_vocabulary,
+    trained_tokenizer_mismatch,
     write_run_metadata,
 )
 from bert_ds.checkpoint.lock import (
@@ -79,13 +82,13 @@ from bert_ds.safe_load import (
 )
 
 __all__ = ["ALLOWED_GLOBALS", "BYTES_PER_PARAMETER", "CHECKPOINT_DIR", "HEARTBEAT_DIR", "LAST_SAVE_NAME", "LOCK_NAME",
-           "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME", "CheckpointError",
-           "CheckpointRef", "CheckpointSaveError", "DamagedCheckpointError", "Handoff", "RestoredRun", "RunLock",
-           "RunLockedError", "UnsafeCheckpointError", "acquire_run_lock", "check_free_space", "check_tag",
-           "checkpoint_dir", "consolidated_state_dict", "deepspeed_loads_weights_only", "first_id_differing",
-           "heartbeat_file", "hold_run_dir", "list_tags", "load_rng_state", "load_tensor_file", "open_checkpoint",
-           "open_handoff", "parameter_count", "parse_tag", "prune_checkpoints", "read_last_save", "read_latest",
-           "read_model_config", "read_run_state", "reading_tag", "remove_debris", "resolve_tag", "restore_run",
-           "rng_file", "save_checkpoint", "save_rng_state", "save_time_line", "set_aside_damaged", "tag_for",
-           "verify_tag", "zero_partition_files",
-           "tokenizer_dir", "trained_vocabulary", "write_run_metadata"]
+           "MODEL_CONFIG_NAME", "RUN_STATE_NAME", "RUN_STATE_SCHEMA", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME",
+           "CheckpointError", "CheckpointRef", "CheckpointSaveError", "DamagedCheckpointError", "Handoff",
+           "RestoredRun", "RunLock", "RunLockedError", "RunState", "TokenizerMismatch", "UnsafeCheckpointError",
+           "acquire_run_lock", "check_free_space", "check_tag", "checkpoint_dir", "consolidated_state_dict",
+           "deepspeed_loads_weights_only", "first_id_differing", "heartbeat_file", "hold_run_dir", "list_tags",
+           "load_rng_state", "load_tensor_file", "open_checkpoint", "open_handoff", "parameter_count", "parse_tag",
+           "prune_checkpoints", "read_last_save", "read_latest", "read_model_config", "read_run_state", "reading_tag",
+           "remove_debris", "resolve_tag", "restore_run", "rng_file", "save_checkpoint", "save_rng_state",
+           "save_time_line", "set_aside_damaged", "tag_for", "tokenizer_dir", "trained_tokenizer_mismatch",
+           "verify_tag", "write_run_metadata", "zero_partition_files"]

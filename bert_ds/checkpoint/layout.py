@@ -35,7 +35,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -46,11 +46,11 @@ from bert_ds.errors import StorageError
 from bert_ds.safe_load import CheckpointError
 
 __all__ = ["CHECKPOINT_DIR", "HEARTBEAT_DIR", "LAST_SAVE_NAME", "MODEL_CONFIG_NAME", "RUN_STATE_NAME",
-           "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME", "CheckpointRef", "CheckpointSaveError", "RunLockedError",
-           "checkpoint_dir", "first_id_differing", "heartbeat_file", "list_tags", "open_checkpoint", "parse_tag",
-           "read_last_save", "read_latest", "read_model_config", "read_run_state", "remove_debris", "resolve_tag",
-           "rng_file", "save_time_line", "set_aside_damaged", "tag_for", "tokenizer_dir", "trained_vocabulary",
-           "write_run_metadata"]
+           "RUN_STATE_SCHEMA", "TAG_VOCAB_NAME", "TOKENIZER_DIR_NAME", "CheckpointRef", "CheckpointSaveError",
+           "RunLockedError", "RunState", "TokenizerMismatch", "checkpoint_dir", "first_id_differing", "heartbeat_file",
+           "list_tags", "open_checkpoint", "parse_tag", "read_last_save", "read_latest", "read_model_config",
+           "read_run_state", "remove_debris", "resolve_tag", "rng_file", "save_time_line", "set_aside_damaged",
+           "tag_for", "tokenizer_dir", "trained_tokenizer_mismatch", "write_run_metadata"]
 
 CHECKPOINT_DIR = "checkpoints"
 HEARTBEAT_DIR = "heartbeat"
@@ -131,8 +131,100 @@ def read_latest(ckpt_dir: str | Path) -> str | None:
     return tag
 
 
-def read_run_state(ckpt_dir: str | Path, tag: str) -> dict:
-    return json.loads((Path(ckpt_dir) / tag / RUN_STATE_NAME).read_text())
+RUN_STATE_SCHEMA = 2
+"""The ``schema_version`` :meth:`RunState.to_dict` writes. Version 1 is the layout before the field existed (no
+``schema_version`` key): the same fields, ``time_budget`` only in ``time_linear`` phases."""
+_SEAL_KEYS = ("files", "run_state_sha256")
+"""Keys of ``run_state.json`` that seal the file rather than describe the run (:mod:`bert_ds.checkpoint.integrity`:
+every file's digest, the file's own digest); :func:`read_run_state` leaves them out of the :class:`RunState`."""
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a tag records about the run at its step (``run_state.json``, also DeepSpeed's client state): rank 0
+    writes :meth:`to_dict`, every reader takes these fields from :func:`read_run_state`."""
+
+    recipe: dict
+    """The resolved recipe (``Recipe.to_dict``): a resume is refused when a field that shapes the run differs."""
+    phase: int
+    """0-based phase index."""
+    step: int
+    """Optimizer steps done within the phase."""
+    phase_done: bool
+    """The phase ended at this tag: the next phase starts from it (the hand-off)."""
+    global_step: int
+    """Steps done counting every phase from the start of the run (the log's step axis)."""
+    consumed_samples: int
+    """Samples the phase consumed up to this step."""
+    loader: dict
+    """The training loader's position (:meth:`bert_ds.data.loader.ShardLoader.state_dict`)."""
+    world_size: int
+    zero_stage: int
+    precision: str
+    """Resolved precision the tag was trained in: fp32 / bf16 / fp16."""
+    vocab_sha256: str
+    """sha256 of the vocabulary the tag was trained with (checked against the tokenizer of a resume or export)."""
+    lowercase: bool
+    """The tokenizer's casing the tag was trained with."""
+    time_budget: dict | None = None
+    """``time_linear`` phases: the training-time budget's state (:class:`bert_ds.optim.schedule.TimeBudget`)."""
+    schema_version: int = RUN_STATE_SCHEMA
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "run state") -> RunState:
+        """The run state ``data`` holds (``where``, a file, is named in each refusal): every field of
+        ``schema_version`` 2, or of version 1 (no ``schema_version``: ``time_budget`` only when a phase had one).
+        A field missing, unknown or of the wrong type is refused by name (:class:`CheckpointError`)."""
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: not a JSON object")
+        version = data.get("schema_version", 1)
+        if version not in (1, RUN_STATE_SCHEMA) or isinstance(version, bool):
+            raise CheckpointError(f"{where}: field 'schema_version' is {version!r}; this bert_ds reads versions 1 "
+                                  f"and {RUN_STATE_SCHEMA}")
+        names = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise CheckpointError(f"{where}: unknown field {unknown[0]!r} (run state schema_version {version} has "
+                                  f"{sorted(names)})")
+        optional = {"schema_version", "time_budget"} if version == 1 else set()
+        missing = [name for name in names if name not in data and name not in optional]
+        if missing:
+            raise CheckpointError(f"{where}: field {missing[0]!r} is missing (run state schema_version {version})")
+        for name, value in data.items():
+            if not _has_type(value, _RUN_STATE_TYPES[name]):
+                raise CheckpointError(f"{where}: field {name!r} is {value!r:.80}, not {_RUN_STATE_TYPES[name][0]}")
+        return cls(**{**data, "schema_version": RUN_STATE_SCHEMA})
+
+
+_RUN_STATE_TYPES = {"recipe": ("an object", dict), "phase": ("an integer", int), "step": ("an integer", int),
+                    "phase_done": ("true or false", bool), "global_step": ("an integer", int),
+                    "consumed_samples": ("an integer", int), "loader": ("an object", dict),
+                    "world_size": ("an integer", int), "zero_stage": ("an integer", int),
+                    "precision": ("a string", str), "vocab_sha256": ("a string", str),
+                    "lowercase": ("true or false", bool), "time_budget": ("an object or null", dict, type(None)),
+                    "schema_version": ("an integer", int)}
+"""Each :class:`RunState` field's JSON type: (what a refusal says, the Python types it may have)."""
+
+
+def _has_type(value, spec: tuple) -> bool:
+    if isinstance(value, bool) and bool not in spec[1:]:
+        return False  # JSON true is not a step count
+    return isinstance(value, spec[1:])
+
+
+def read_run_state(ckpt_dir: str | Path, tag: str) -> RunState:
+    """The :class:`RunState` of ``tag``; a CheckpointError naming the file and the field it cannot use."""
+    path = Path(ckpt_dir) / tag / RUN_STATE_NAME
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from exc
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k not in _SEAL_KEYS}
+    return RunState.from_dict(data, str(path))
 
 
 def resolve_tag(ckpt_dir: str | Path, tag: str | None = None) -> str:
@@ -223,20 +315,31 @@ def open_checkpoint(ckpt_dir: str | Path, tag: str | None = None, verify: bool =
     return CheckpointRef(ckpt_dir, tag, config, tok_dir)
 
 
-def trained_vocabulary(ckpt_dir: str | Path, tag: str) -> tuple[str | None, bool | None]:
-    """(vocabulary sha256, lowercase) ``tag`` was trained with: what its ``run_state.json`` recorded, else (a tag of an
-    older bert_ds) the tokenizer copied beside the tags, else None for what is unknown."""
-    from bert_ds.data.tokenizer import vocab_sha256
+@dataclass(frozen=True)
+class TokenizerMismatch:
+    """How a tokenizer differs from the one a tag was trained with (:func:`trained_tokenizer_mismatch`)."""
 
-    ckpt_dir = Path(ckpt_dir)
+    field: str
+    """``vocab_sha256`` or ``lowercase``: the run state field that differs."""
+    trained: str | bool
+    """The tag's value."""
+    given: str | bool
+    """The tokenizer's value."""
+    first_difference: str = ""
+    """`` (id N: 'a' in X but 'b' in Y)`` when the vocabularies differ and the trained one is on disk, else empty."""
+
+
+def trained_tokenizer_mismatch(ckpt_dir: str | Path, tag: str, tokenizer) -> TokenizerMismatch | None:
+    """The one "was ``tag`` trained with this tokenizer" check (a resume's pre-flight and :func:`open_checkpoint`
+    both ask it): the vocabulary sha256, then the casing, against what the tag's run state recorded; None when both
+    agree. Each caller words the refusal for its own flag or file."""
     state = read_run_state(ckpt_dir, tag)
-    sha, lowercase = state.get("vocab_sha256"), state.get("lowercase")
-    copy = ckpt_dir / TOKENIZER_DIR_NAME
-    if sha is None and (copy / "vocab.txt").is_file():
-        sha = vocab_sha256(copy / "vocab.txt")
-    if lowercase is None and (copy / "vocab.txt").is_file():
-        lowercase = read_lowercase(copy)
-    return sha, lowercase
+    if state.vocab_sha256 != tokenizer.vocab_sha256:
+        return TokenizerMismatch("vocab_sha256", state.vocab_sha256, tokenizer.vocab_sha256,
+                                 first_id_differing(ckpt_dir, tag, state.vocab_sha256, tokenizer))
+    if state.lowercase != tokenizer.lowercase:
+        return TokenizerMismatch("lowercase", state.lowercase, tokenizer.lowercase)
+    return None
 
 
 def first_id_differing(ckpt_dir: str | Path, tag: str, trained_sha: str, tokenizer) -> str:
@@ -257,23 +360,18 @@ def first_id_differing(ckpt_dir: str | Path, tag: str, trained_sha: str, tokeniz
 
 def _check_trained_tokenizer(ckpt_dir: Path, tag: str, tokenizer) -> None:
     """The tokenizer copy beside the tags must be what ``tag`` was trained with: a run directory whose ``tokenizer/``
-    was rewritten would otherwise export the old weights with another vocabulary or casing. Tags saved before bert_ds
-    recorded these (no ``vocab_sha256``/``lowercase`` in ``run_state.json``) cannot be checked."""
-    try:
-        state = read_run_state(ckpt_dir, tag)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{ckpt_dir / tag / RUN_STATE_NAME}: unreadable ({exc})") from exc
+    was rewritten would otherwise export the old weights with another vocabulary or casing."""
+    mismatch = trained_tokenizer_mismatch(ckpt_dir, tag, tokenizer)
+    if mismatch is None:
+        return
     tok_dir = ckpt_dir / TOKENIZER_DIR_NAME
-    trained_sha, trained_lower = state.get("vocab_sha256"), state.get("lowercase")
-    if trained_sha is not None and trained_sha != tokenizer.vocab_sha256:
-        raise CheckpointError(f"{ckpt_dir / tag} was trained with vocabulary sha256 {trained_sha[:16]}... but "
-                              f"{tok_dir / 'vocab.txt'} has {tokenizer.vocab_sha256[:16]}..."
-                              f"{first_id_differing(ckpt_dir, tag, trained_sha, tokenizer)}: the tokenizer beside "
-                              f"the tags is not the one this checkpoint learned")
-    if trained_lower is not None and trained_lower != tokenizer.lowercase:
-        raise CheckpointError(f"{ckpt_dir / tag} was trained with lowercase={trained_lower} but {tok_dir} says "
-                              f"lowercase={tokenizer.lowercase}: the tokenizer beside the tags is not the one this "
-                              f"checkpoint learned")
+    if mismatch.field == "vocab_sha256":
+        raise CheckpointError(f"{ckpt_dir / tag} was trained with vocabulary sha256 {mismatch.trained[:16]}... but "
+                              f"{tok_dir / 'vocab.txt'} has {mismatch.given[:16]}...{mismatch.first_difference}: the "
+                              f"tokenizer beside the tags is not the one this checkpoint learned")
+    raise CheckpointError(f"{ckpt_dir / tag} was trained with lowercase={mismatch.trained} but {tok_dir} says "
+                          f"lowercase={mismatch.given}: the tokenizer beside the tags is not the one this checkpoint "
+                          f"learned")
 
 
 def _fsync(path: Path) -> None:

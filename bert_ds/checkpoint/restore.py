@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_ds.checkpoint.layout import read_run_state, rng_file
+from bert_ds.checkpoint.layout import RunState, read_run_state, rng_file
 from bert_ds.deepspeed_internals import MODEL_STATES_NAME, ZERO_PARTITION_FILE
+from bert_ds.errors import BadInput
 from bert_ds.optim.schedule import keep_group_lrs, sync_groups_to_schedule
 from bert_ds.safe_load import CheckpointError, deepspeed_loads_weights_only, load_tensor_file
 
@@ -37,8 +38,8 @@ log = logging.getLogger("bert_ds.checkpoint")
 class RestoredRun:
     """What a mid-phase resume hands back to the trainer."""
 
-    run_state: dict
-    """The tag's ``run_state.json``: recipe, phase, step, consumed samples, loader state, world size."""
+    run_state: RunState
+    """The tag's run state: recipe, phase, step, consumed samples, loader state, world size."""
     rng_restored: bool
     """This rank's random generators were restored (same rank count); otherwise the caller seeds them afresh."""
 
@@ -51,7 +52,7 @@ def restore_run(engine, ckpt_dir: str | Path, tag: str, rank: int) -> RestoredRu
 
     ckpt_dir = Path(ckpt_dir)
     state = read_run_state(ckpt_dir, tag)
-    saved_world = int(state["world_size"])
+    saved_world = state.world_size
     _load_engine(engine, ckpt_dir, tag, saved_world, dist.get_world_size())
     rng = rng_file(ckpt_dir / tag, rank)
     same = saved_world == dist.get_world_size() and rng.is_file()
@@ -63,10 +64,10 @@ def restore_run(engine, ckpt_dir: str | Path, tag: str, rank: int) -> RestoredRu
 def _load_engine(engine, ckpt_dir: Path, tag: str, saved_world: int, world: int) -> None:
     stage = engine.zero_optimization_stage()
     if stage == 0 and saved_world != world:
-        raise ValueError(f"checkpoint {tag!r} was written by {saved_world} ranks without ZeRO partitions of its own; "
-                         f"resume it on {saved_world} ranks or use ZeRO stage 1/2")
+        raise BadInput(f"checkpoint {tag!r} was written by {saved_world} ranks without ZeRO partitions of its own; "
+                       f"resume it on {saved_world} ranks or use ZeRO stage 1/2")
     if stage not in (0, 1, 2):
-        raise ValueError(f"checkpoint {tag!r}: resuming needs ZeRO stage 0, 1 or 2 (deepspeed.zero_stage is {stage})")
+        raise BadInput(f"checkpoint {tag!r}: resuming needs ZeRO stage 0, 1 or 2 (deepspeed.zero_stage is {stage})")
     with deepspeed_loads_weights_only(ckpt_dir / tag):
         load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=stage == 0)
     if load_path is None:
@@ -88,7 +89,7 @@ class Handoff:
 
     ckpt_dir: Path
     tag: str
-    run_state: dict
+    run_state: RunState
 
     def weights(self) -> dict[str, torch.Tensor]:
         return consolidated_state_dict(self.ckpt_dir, self.tag)
@@ -108,7 +109,7 @@ class Handoff:
         else:
             from bert_ds.deepspeed_internals import recut_zero_partitions
 
-            saved = _zero_partitions(tag_dir, int(self.run_state["world_size"]))
+            saved = _zero_partitions(tag_dir, self.run_state.world_size)
             client = recut_zero_partitions(engine.optimizer, saved, weights=False)
             states = [client.state[group["params"][0]] for group in client.param_groups]
         if optimizer_step == "continue":
@@ -121,9 +122,9 @@ class Handoff:
 def open_handoff(ckpt_dir: str | Path, tag: str, phase_index: int) -> Handoff:
     """The hand-off into phase ``phase_index`` from ``tag``, refused unless the tag ended the previous phase."""
     state = read_run_state(ckpt_dir, tag)
-    if not state["phase_done"]:
-        raise ValueError(f"phase {phase_index + 1} cannot start from {tag!r}: its run_state.json has phase_done "
-                         f"false (phase {phase_index} did not finish there)")
+    if not state.phase_done:
+        raise BadInput(f"phase {phase_index + 1} cannot start from {tag!r}: its run_state.json has phase_done "
+                       f"false (phase {phase_index} did not finish there)")
     return Handoff(ckpt_dir=Path(ckpt_dir), tag=tag, run_state=state)
 
 
@@ -133,12 +134,12 @@ def _zero_partitions(tag_dir: Path, saved_world_size: int) -> list[dict]:
 
     files = zero_partition_files(tag_dir)
     if len(files) != saved_world_size:
-        raise ValueError(f"checkpoint {tag_dir.name!r}: {len(files)} ZeRO partition files for {saved_world_size} "
-                         f"saved ranks")
+        raise BadInput(f"checkpoint {tag_dir.name!r}: {len(files)} ZeRO partition files for {saved_world_size} "
+                       f"saved ranks")
     saved = [load_tensor_file(f) for f in files]
     if not is_elastic_zero_state(saved[0]):
-        raise ValueError(f"checkpoint {tag_dir.name!r} was not saved with zero_optimization.elastic_checkpoint; it can "
-                         f"only be resumed on {saved_world_size} ranks")
+        raise BadInput(f"checkpoint {tag_dir.name!r} was not saved with zero_optimization.elastic_checkpoint; it can "
+                       f"only be resumed on {saved_world_size} ranks")
     return saved
 
 

@@ -37,6 +37,7 @@ from bert_ds.checkpoint.layout import (
     TAG_VOCAB_NAME,
     TOKENIZER_DIR_NAME,
     CheckpointSaveError,
+    RunState,
     _any_rank,
     _fsync,
     _write_synced,
@@ -156,7 +157,7 @@ def _save_failure(ckpt: Path, tag: str, error: Exception | None, num_parameters:
                                f"{tag}.tmp was removed and {kept}. Free space, then resume with --resume auto")
 
 
-def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep_last_k: int) -> Path:
+def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: RunState, keep_last_k: int) -> Path:
     """Save on every rank; ``latest`` moves to ``tag`` only after all ranks finished writing.
 
     DeepSpeed writes its files into a fresh ``<tag>.tmp`` directory with ``save_latest=False`` (a tag directory left
@@ -177,12 +178,13 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
     if rank == 0:
         remove_debris(ckpt)
     dist.barrier()
-    error, own = _write_tag(engine, ckpt, tmp_tag, run_state, rank)
+    state = run_state.to_dict()
+    error, own = _write_tag(engine, ckpt, tmp_tag, state, rank)
     digests: dict[str, dict] = {}
     if not _any_rank(error is not None):
         digests = gather_digests(own)
         if rank == 0:
-            error = _write_metadata(ckpt, tmp_tag, tag, run_state, digests)
+            error = _write_metadata(ckpt, tmp_tag, tag, state, digests)
     if _any_rank(error is not None):
         if rank == 0:
             shutil.rmtree(ckpt / tmp_tag, ignore_errors=True)
@@ -200,7 +202,7 @@ def save_checkpoint(engine, run_dir: str | Path, tag: str, run_state: dict, keep
 
 def _phase_done(ckpt_dir: Path, tag: str) -> bool:
     try:
-        return bool(read_run_state(ckpt_dir, tag).get("phase_done", False))
+        return read_run_state(ckpt_dir, tag).phase_done
     except (OSError, ValueError):
         return False
 

@@ -97,6 +97,7 @@ from bert_ds.data.mix import (
 )
 from bert_ds.data.reader import ShardReader
 from bert_ds.data.workers import LoaderWorkerError, iterate, raise_if_worker_died
+from bert_ds.errors import BadInput
 
 __all__ = [
     "DynamicMasking", "EpochOrder", "ShardLoader", "MixedShardLoader", "MixChangedError", "Source", "EvalLoader",
@@ -177,6 +178,9 @@ class _TrainLoader:
         self.prefetch_factor = prefetch_factor
         self._fingerprint = fingerprint
         self._delivered = 0
+        self.mix_change: str | None = None
+        """What differed from the checkpoint's mix when ``continue_with_new_mix`` let it through (for the log); only
+        a mix can change."""
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -192,6 +196,10 @@ class _TrainLoader:
             self._delivered += 1
             yield batch
 
+    def describe(self, steps: int) -> list[str]:
+        """Lines saying what each source of a mix gives over ``steps`` global batches; none for one shard set."""
+        return []
+
     def _position(self) -> dict:
         consumed, into = divmod(self._delivered, self._dataset.accumulation)
         return {"consumed_global_batches": consumed, "micro_steps_into_global_batch": into,
@@ -201,20 +209,20 @@ class _TrainLoader:
         """Refuse another format, a fingerprint field (but ``skip``) that differs, or a mid-global-batch state saved
         with another world size or micro batch size; returns (consumed global batches, micro steps into the next)."""
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"loader state: field 'format' is {state.get('format')!r}, expected {STATE_FORMAT!r}")
+            raise BadInput(f"loader state: field 'format' is {state.get('format')!r}, expected {STATE_FORMAT!r}")
         for name, want in self._fingerprint.items():
             if name in skip:
                 continue
             if state.get(name) != want:
-                raise ValueError(f"loader state: field '{name}' is {state.get(name)!r} but this loader has "
-                                 f"{want!r}; resuming would not continue the same sample stream")
+                raise BadInput(f"loader state: field '{name}' is {state.get(name)!r} but this loader has "
+                               f"{want!r}; resuming would not continue the same sample stream")
         consumed = int(state["consumed_global_batches"])
         into = int(state["micro_steps_into_global_batch"])
         if into:
             same = (state.get("world_size") == self._dataset.world_size
                     and state.get("micro_batch_size") == self._dataset.micro_batch_size)
             if not same:
-                raise ValueError(
+                raise BadInput(
                     f"loader state is {into} micro step(s) into global batch {consumed} (saved with "
                     f"world_size={state.get('world_size')}, micro_batch_size={state.get('micro_batch_size')}); "
                     f"with world_size={self._dataset.world_size}, micro_batch_size={self._dataset.micro_batch_size} "
@@ -258,8 +266,8 @@ class ShardLoader(_TrainLoader):
         or micro batch size changed."""
         if "mix" in state:
             names = [entry.get("source") for entry in state["mix"]]
-            raise ValueError(f"loader state: field 'mix' lists {names}: the checkpoint read a weighted mix, this run "
-                             "one unweighted shard set; give --data the mix, or use a new --output")
+            raise BadInput(f"loader state: field 'mix' lists {names}: the checkpoint read a weighted mix, this run "
+                           "one unweighted shard set; give --data the mix, or use a new --output")
         # changing the masking recipe on resume is allowed; it does not move the sample stream
         consumed, into = self._check_state(state, skip=("dynamic_masking",))
         self._delivered = consumed * self._dataset.accumulation + into
@@ -273,8 +281,6 @@ class MixedShardLoader(_TrainLoader):
         self.sources = sources
         self.sizes = sizes
         self.seq_len = seq_len
-        self.mix_change: str | None = None
-        """What differed from the checkpoint's mix when ``continue_with_new_mix`` let it through (for the log)."""
 
     def sample_refs(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source index, source epoch, sample id within the source) of each row of this rank's micro batch ``m``."""
@@ -299,9 +305,9 @@ class MixedShardLoader(_TrainLoader):
         differs is refused (:class:`MixChangedError`) unless ``continue_with_new_mix``: then the new mix starts at
         the saved global batch, each source kept goes on where it was, a new one from its start."""
         if not isinstance(state.get("mix"), list):
-            raise ValueError("loader state: field 'mix' is missing: the checkpoint read one unweighted shard set, "
-                             "this run a weighted mix; an unweighted run cannot become a mix on resume: use the "
-                             "original --data or a new --output")
+            raise BadInput("loader state: field 'mix' is missing: the checkpoint read one unweighted shard set, "
+                           "this run a weighted mix; an unweighted run cannot become a mix on resume: use the "
+                           "original --data or a new --output")
         consumed, into = self._check_state(state, skip=("dynamic_masking", "mix", "mix_rule"))
         changes = mix_changes(state["mix"], self._fingerprint["mix"]) + rule_changes(state.get("mix_rule"))
         saved = check_source_samples(state, len(state["mix"]), consumed * self._dataset.global_batch_size)
@@ -309,8 +315,8 @@ class MixedShardLoader(_TrainLoader):
             raise MixChangedError(f"loader state: the data mix differs from the checkpoint's: {'; '.join(changes)}")
         if changes:
             if into:
-                raise ValueError(f"loader state is {into} micro step(s) into global batch {consumed}: a new mix can "
-                                 "only start on a global-batch boundary")
+                raise BadInput(f"loader state is {into} micro step(s) into global batch {consumed}: a new mix can "
+                               "only start on a global-batch boundary")
             by_sha = {e["shard_set_sha256"]: n for e, n in zip(state["mix"], saved, strict=True)}
             saved = [by_sha.get(e["shard_set_sha256"], 0) for e in self._fingerprint["mix"]]
             self.mix_change = "; ".join(changes)
@@ -346,7 +352,7 @@ def _open_checked(data_dir: str | Path, *, expected_seq_len: int | None, expecte
         index.check_compatible(vocab_size=dynamic_masking.vocab_size, where=where)
     reader = ShardReader(data_dir, verify=verify, index=index, max_open_shards=max_open_shards)
     if reader.num_samples == 0:
-        raise ValueError(f"{where}/index.json lists no samples")
+        raise BadInput(f"{where}/index.json lists no samples")
     for shard in range(reader.num_shards):  # cheap: one stat per shard; the `verify` level runs on first open
         reader.check_size(shard)
     if dynamic_masking is not None:
@@ -354,22 +360,22 @@ def _open_checked(data_dir: str | Path, *, expected_seq_len: int | None, expecte
     else:
         needed = index.masking.get("max_predictions")
         if needed is None:
-            raise ValueError(f"{where}/index.json: field 'masking.max_predictions' missing; pass max_predictions=")
+            raise BadInput(f"{where}/index.json: field 'masking.max_predictions' missing; pass max_predictions=")
     if max_predictions is None:
         max_predictions = int(needed)
     elif max_predictions < needed:
-        raise ValueError(f"max_predictions={max_predictions} is below the {needed} predictions per sample "
-                         f"{'dynamic masking makes' if dynamic_masking else 'index.json allows'}")
+        raise BadInput(f"max_predictions={max_predictions} is below the {needed} predictions per sample "
+                       f"{'dynamic masking makes' if dynamic_masking else 'index.json allows'}")
     return reader, max_predictions
 
 
 def _check_rank(rank: int, world_size: int, micro_batch_size: int, num_workers: int) -> None:
     if world_size <= 0 or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        raise BadInput(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
     if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size={micro_batch_size}: must be positive")
+        raise BadInput(f"micro_batch_size={micro_batch_size}: must be positive")
     if num_workers < 0:
-        raise ValueError(f"num_workers={num_workers}: must be >= 0")
+        raise BadInput(f"num_workers={num_workers}: must be >= 0")
 
 
 def build_loader(data_dir: str | Path | Sequence[Source], *, global_batch_size: int, micro_batch_size: int,
@@ -385,8 +391,8 @@ def build_loader(data_dir: str | Path | Sequence[Source], *, global_batch_size: 
     _check_rank(rank, world_size, micro_batch_size, num_workers)
     per_step = micro_batch_size * world_size
     if global_batch_size <= 0 or global_batch_size % per_step:
-        raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * "
-                         f"world_size = {micro_batch_size} * {world_size} = {per_step}")
+        raise BadInput(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * "
+                       f"world_size = {micro_batch_size} * {world_size} = {per_step}")
     options = dict(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, rank=rank,
                    world_size=world_size, seed=seed, num_workers=num_workers, expected_seq_len=expected_seq_len,
                    expected_vocab_sha256=expected_vocab_sha256, max_predictions=max_predictions,
@@ -410,8 +416,8 @@ def _single_loader(data_dir: str | Path, *, global_batch_size: int, micro_batch_
                               max_predictions=max_predictions, verify=verify,
                               max_open_shards=max(32, 2 * shuffle_window_shards + 2))
     if reader.num_samples < global_batch_size:
-        raise ValueError(f"{data_dir}: {reader.num_samples} samples is less than one global batch "
-                         f"({global_batch_size})")
+        raise BadInput(f"{data_dir}: {reader.num_samples} samples is less than one global batch "
+                       f"({global_batch_size})")
     index = reader.index
     order = EpochOrder([s.samples for s in index.shards], seed=seed, shuffle=shuffle,
                        window_shards=shuffle_window_shards)
@@ -453,8 +459,8 @@ def _open_sources(sources: list[Source], *, expected_seq_len: int | None, expect
         first, this = readers[0].index, reader.index
         for name in ("seq_len", "vocab_sha256"):
             if getattr(this, name) != getattr(first, name):
-                raise ValueError(f"mix source {source.name!r}: {source.path}/index.json field '{name}' is "
-                                 f"{getattr(this, name)!r} but source {sources[0].name!r} has {getattr(first, name)!r}")
+                raise BadInput(f"mix source {source.name!r}: {source.path}/index.json field '{name}' is "
+                               f"{getattr(this, name)!r} but source {sources[0].name!r} has {getattr(first, name)!r}")
     return readers, max(slots)
 
 
@@ -469,8 +475,8 @@ def _mixed_loader(sources: list[Source], *, global_batch_size: int, micro_batch_
     hashes = [_shard_set_sha256(r.index) for r in readers]
     for i, sha in enumerate(hashes):
         if hashes.index(sha) != i:
-            raise ValueError(f"mix sources {sources[hashes.index(sha)].name!r} and {sources[i].name!r} hold the same "
-                             "shard set; list it once with the sum of the weights")
+            raise BadInput(f"mix sources {sources[hashes.index(sha)].name!r} and {sources[i].name!r} hold the same "
+                           "shard set; list it once with the sum of the weights")
     seeds = [source_seed(seed, sha) for sha in hashes]
     orders = [EpochOrder([s.samples for s in r.index.shards], seed=k, shuffle=shuffle,
                          window_shards=shuffle_window_shards) for r, k in zip(readers, seeds, strict=True)]

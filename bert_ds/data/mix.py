@@ -65,29 +65,29 @@ def parse_sources(spec: str, flag: str, *, weighted: bool = True) -> list[Source
     sources = []
     for element in spec.split(","):
         if not element:
-            raise ValueError(f"{flag} {spec!r}: an empty element; separate shard directories by single commas")
+            raise BadInput(f"{flag} {spec!r}: an empty element; separate shard directories by single commas")
         path, sep, weight_text = element.rpartition(":")
         if not sep:
             sources.append(Source(element))
             continue
         if not weighted:
-            raise ValueError(f"{flag} {element!r}: eval data takes no weight; list the directories as dir,dir")
+            raise BadInput(f"{flag} {element!r}: eval data takes no weight; list the directories as dir,dir")
         try:
             weight = float(weight_text)
         except ValueError:
             weight = math.nan
         if not (math.isfinite(weight) and weight > 0) or not path:
-            raise ValueError(f"{flag} {element!r}: weight {weight_text!r} is not a positive number (give dir:weight)")
+            raise BadInput(f"{flag} {element!r}: weight {weight_text!r} is not a positive number (give dir:weight)")
         sources.append(Source(path, weight))
     if weighted and len(sources) > 1 and any(s.weight is None for s in sources):
         bare = next(s.path for s in sources if s.weight is None)
-        raise ValueError(f"{flag} {spec!r}: {bare!r} has no weight; give every set of a mix one (dir:weight)")
+        raise BadInput(f"{flag} {spec!r}: {bare!r} has no weight; give every set of a mix one (dir:weight)")
     for attr in ("path", "name"):
         seen = [str(Path(s.path).resolve()) if attr == "path" else s.name for s in sources]
         dup = next((x for x in seen if seen.count(x) > 1), None)
         if dup is not None:
-            raise ValueError(f"{flag} {spec!r}: {'directory' if attr == 'path' else 'name'} {dup!r} is listed twice; "
-                             "each source of a mix needs its own directory name")
+            raise BadInput(f"{flag} {spec!r}: {'directory' if attr == 'path' else 'name'} {dup!r} is listed twice; "
+                           "each source of a mix needs its own directory name")
     return sources
 
 
@@ -142,8 +142,8 @@ def check_source_samples(state: dict, n_sources: int, drawn: int) -> list[int]:
     ok = (isinstance(counts, list) and len(counts) == n_sources
           and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) and sum(counts) == drawn)
     if not ok:
-        raise ValueError(f"loader state: field 'source_samples' is {counts!r:.120}, need {n_sources} non-negative "
-                         f"integers summing to the {drawn} samples its global batches drew")
+        raise BadInput(f"loader state: field 'source_samples' is {counts!r:.120}, need {n_sources} non-negative "
+                       f"integers summing to the {drawn} samples its global batches drew")
     return counts
 
 

@@ -1,7 +1,7 @@
 """Pre-flight: every check a run needs, done before any compute, producing the plan the phase loop follows.
 
 ``plan_run`` reads the recipe, the command line, the tokenizer, every shard set's ``index.json`` and the run
-directory's newest checkpoint, and either raises one ``ValueError`` naming the culprit (exit 2, nothing computed or
+directory's newest checkpoint, and either raises one ``BadInput`` naming the culprit (exit 2, nothing computed or
 written) or returns a :class:`RunPlan`: which phases to run, where their data is, the model config, and where to
 start (fresh, mid-phase resume, or a phase hand-off). Nothing under ``--output`` is written here; the run takes its
 lock and writes its metadata only after the plan exists, so a refused run leaves the run directory byte for byte as
@@ -24,12 +24,13 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.cli_args import option
 from bert_ds.config import BertConfig
 from bert_ds.data.mix import MixChangedError, Source, parse_sources
+from bert_ds.errors import BadInput
 from bert_ds.exit_codes import ExitCode
 from bert_ds.lifecycle.hang_watchdog import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_FACTOR
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
 from bert_ds.runtime.caches import cache_dir_warnings
 
-__all__ = ["RunArgs", "RunPlan", "StartPoint", "plan_run"]
+__all__ = ["RunArgs", "RunPlan", "StartPoint", "check_step_timeout", "loader_for_phase", "plan_run"]
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,10 @@ class RunArgs:
     def __post_init__(self) -> None:
         t = self.step_timeout
         if t is not None and not (t == 0 or (math.isfinite(t) and t >= 1)):
-            raise ValueError(f"--step-timeout {t:g}: give the seconds a training step may take (at least 1), or 0 to "
-                             f"turn the progress watchdog off")
+            raise BadInput(f"--step-timeout {t:g}: give the seconds a training step may take (at least 1), or 0 to "
+                           f"turn the progress watchdog off")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+            raise BadInput(f"--max-steps must be >= 1, got {self.max_steps}")
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def _phase_dirs(dirs: list[str] | None, phases: list[int], n_phases: int, flag: 
         return {p: dirs[p] for p in phases}
     if len(dirs) == 1 and (len(phases) == 1 or flag == "--eval-data"):
         return {p: dirs[0] for p in phases}
-    raise ValueError(f"{flag}: got {len(dirs)} directories for a recipe with {n_phases} phase(s); give one per phase")
+    raise BadInput(f"{flag}: got {len(dirs)} directories for a recipe with {n_phases} phase(s); give one per phase")
 
 
 def _training_data(args: RunArgs, recipe: Recipe, phases: list[int], rank: int
@@ -176,12 +177,12 @@ def _training_data(args: RunArgs, recipe: Recipe, phases: list[int], rank: int
     for p in phases:
         entries = recipe.phases[p].data
         if entries is None:
-            raise ValueError(f"--data is not given and recipe {args.recipe} has no phases[{p}].data: name phase "
-                             f"{p + 1}'s shard directories on the command line or in the recipe")
+            raise BadInput(f"--data is not given and recipe {args.recipe} has no phases[{p}].data: name phase "
+                           f"{p + 1}'s shard directories on the command line or in the recipe")
         for i, entry in enumerate(entries):
             if not Path(entry.path).is_dir():
-                raise ValueError(f"recipe {args.recipe}: phases[{p}].data[{i}].path {entry.path!r} is not a "
-                                 f"directory (a relative path is read from the recipe file's directory)")
+                raise BadInput(f"recipe {args.recipe}: phases[{p}].data[{i}].path {entry.path!r} is not a "
+                               f"directory (a relative path is read from the recipe file's directory)")
         sources[p] = [Source(e.path, e.weight) for e in entries]
         data[p] = ",".join(e.path if e.weight is None else f"{e.path}:{e.weight!r}" for e in entries)
         labels[f"recipe {args.recipe} phases[{p}].data"] = {p: sources[p]}
@@ -190,10 +191,36 @@ def _training_data(args: RunArgs, recipe: Recipe, phases: list[int], rank: int
     return data, sources, labels
 
 
+def check_step_timeout(args: RunArgs, recipe: Recipe) -> None:
+    """The progress watchdog must name a stalled rank before the process group's own timeout ends the waiting
+    collective with an error that names none: ``--step-timeout``, or without it the watchdog's floor
+    (``DEFAULT_FLOOR_S``, half DeepSpeed's default timeout), must be below the recipe's
+    ``deepspeed.process_group_timeout_s`` (DeepSpeed's default when null). ``--step-timeout 0`` (no watchdog)
+    is the user's choice and passes."""
+    from deepspeed.constants import default_pg_timeout
+
+    timeout = recipe.deepspeed.process_group_timeout_s
+    field = f"recipe {args.recipe}'s deepspeed.process_group_timeout_s"
+    if timeout is None:
+        timeout = default_pg_timeout.total_seconds()
+        field = f"{field} (null: DeepSpeed's default)"
+    if args.step_timeout == 0:
+        return
+    if args.step_timeout is not None and args.step_timeout >= timeout:
+        raise BadInput(f"--step-timeout {args.step_timeout:g} is not below {field} {timeout:g}: the process group "
+                       f"would end a stalled collective first, with an error naming no rank; give --step-timeout "
+                       f"below {timeout:g} or raise the recipe's timeout")
+    if args.step_timeout is None and DEFAULT_FLOOR_S >= timeout:
+        raise BadInput(f"the progress watchdog's floor {DEFAULT_FLOOR_S:g} s (--step-timeout not given; half "
+                       f"DeepSpeed's default process-group timeout) is not below {field} {timeout:g}: the process "
+                       f"group would end a stalled collective first, with an error naming no rank; give --step-timeout "
+                       f"below {timeout:g} (e.g. {timeout / 2:g}, half of it) or raise the recipe's timeout")
+
+
 def _selected_phases(args: RunArgs, recipe: Recipe) -> list[int]:
     n = len(recipe.phases)
     if args.phase == "2" and n < 2:
-        raise ValueError(f"--phase 2: recipe {args.recipe} has only {n} phase")
+        raise BadInput(f"--phase 2: recipe {args.recipe} has only {n} phase")
     return list(range(n)) if args.phase == "all" else [int(args.phase) - 1]
 
 
@@ -208,8 +235,8 @@ def _model_config(args: RunArgs, recipe: Recipe, tokenizer) -> BertConfig:
                                     hidden_dropout_prob=config.hidden_dropout_prob,
                                     attention_probs_dropout_prob=config.attention_probs_dropout_prob)
     if hf_config.vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"--init-from-hf {args.init_from_hf}: field 'vocab_size' is {hf_config.vocab_size} but the "
-                         f"tokenizer/shards have {tokenizer.vocab_size}")
+        raise BadInput(f"--init-from-hf {args.init_from_hf}: field 'vocab_size' is {hf_config.vocab_size} but the "
+                       f"tokenizer/shards have {tokenizer.vocab_size}")
     _check_init_vocabulary(args, tokenizer)
     return hf_config
 
@@ -242,15 +269,15 @@ def _check_init_vocabulary(args: RunArgs, tokenizer) -> None:
     where = f"--init-from-hf {args.init_from_hf}"
     own = directory_vocabulary(args.init_from_hf)
     if own is None:
-        raise ValueError(f"{where}: no vocab.txt or tokenizer.json, so nothing shows that its token ids mean what "
-                         f"--tokenizer {args.tokenizer}'s do; put the vocabulary it was trained with beside its "
-                         f"config.json")
+        raise BadInput(f"{where}: no vocab.txt or tokenizer.json, so nothing shows that its token ids mean what "
+                       f"--tokenizer {args.tokenizer}'s do; put the vocabulary it was trained with beside its "
+                       f"config.json")
     tokens, source = own
     difference = vocabulary_difference(tokens, tokenizer.vocab, str(source), str(tokenizer.vocab_file))
     if difference:
-        raise ValueError(f"{where}: its vocabulary is not --tokenizer {args.tokenizer}'s ({difference}): its "
-                         f"embeddings would be read as other words. Pre-train with the checkpoint's own tokenizer "
-                         f"(make the shards with it) or start from scratch")
+        raise BadInput(f"{where}: its vocabulary is not --tokenizer {args.tokenizer}'s ({difference}): its "
+                       f"embeddings would be read as other words. Pre-train with the checkpoint's own tokenizer "
+                       f"(make the shards with it) or start from scratch")
 
 
 def _check_shards(recipe: Recipe, phases: list[int], sources_by_flag: dict[str, dict[int, list[Source]]],
@@ -286,14 +313,14 @@ def _check_shard_set(recipe: Recipe, p: int, label: str, directory: str, context
     index.check_compatible(seq_len=phase.seq_len, vocab_sha256=vocab_sha256, vocab_size=vocab_size,
                            where=f"{label} ({context or f'phases[{p}]'})")
     if index.lowercase != lowercase:  # same vocab.txt, other casing: capitalised words would become [UNK]
-        raise ValueError(f"{label}/index.json{suffix}: field 'lowercase' is {index.lowercase} "
-                         f"({_casing(index.lowercase)}) but --tokenizer {tokenizer_dir} is "
-                         f"{_casing(lowercase)} (lowercase={lowercase}); use the tokenizer the shards were "
-                         f"made with")
+        raise BadInput(f"{label}/index.json{suffix}: field 'lowercase' is {index.lowercase} "
+                       f"({_casing(index.lowercase)}) but --tokenizer {tokenizer_dir} is "
+                       f"{_casing(lowercase)} (lowercase={lowercase}); use the tokenizer the shards were "
+                       f"made with")
     shard_preds = index.masking.get("max_predictions")
     if not phase.dynamic_masking and shard_preds is not None and shard_preds > phase.max_predictions:
-        raise ValueError(f"{label}/index.json{suffix}: field 'masking.max_predictions' is {shard_preds} "
-                         f"but phases[{p}].max_predictions is {phase.max_predictions}")
+        raise BadInput(f"{label}/index.json{suffix}: field 'masking.max_predictions' is {shard_preds} "
+                       f"but phases[{p}].max_predictions is {phase.max_predictions}")
     if verify_level != "none":
         try:
             verify_shard_set(directory, verify_level).raise_for_errors()
@@ -310,10 +337,10 @@ def _casing(lowercase: bool) -> str:
 def _fresh_start(args: RunArgs, phases: list[int], ckpt_dir: Path) -> StartPoint:
     if phases[0] > 0 and not args.init_from_hf:
         if args.resume == "none":
-            raise ValueError("--phase 2 starts from phase 1's final checkpoint in --output (use --resume auto) "
-                             "or from --init-from-hf")
-        raise ValueError(f"--phase 2: {ckpt_dir} holds no phase-1 checkpoint to start from; "
-                         "run phase 1 first or pass --init-from-hf")
+            raise BadInput("--phase 2 starts from phase 1's final checkpoint in --output (use --resume auto) "
+                           "or from --init-from-hf")
+        raise BadInput(f"--phase 2: {ckpt_dir} holds no phase-1 checkpoint to start from; "
+                       "run phase 1 first or pass --init-from-hf")
     return StartPoint(phase=phases[0], step=0, tag=None, handoff=False)
 
 
@@ -322,50 +349,49 @@ def _start_point(args: RunArgs, recipe: Recipe, phases: list[int], ckpt_dir: Pat
     """Where the run starts: fresh, inside the newest intact checkpoint's phase, or at the next phase after it."""
     tag = ckpt.read_latest(ckpt_dir) if ckpt_dir.is_dir() else None
     if args.resume == "none" and tag is not None:
-        raise ValueError(f"{ckpt_dir} already holds checkpoint {tag!r}: pass --resume auto to continue it, or choose "
-                         f"a new --output")
+        raise BadInput(f"{ckpt_dir} already holds checkpoint {tag!r}: pass --resume auto to continue it, or choose "
+                       f"a new --output")
     if tag is None:
         return _fresh_start(args, phases, ckpt_dir)
     # verified first: everything below reads the tag's run_state.json, which its checks cover
     tag, damaged = _newest_intact(ckpt_dir, tag, rank, world_size)
     state = ckpt.read_run_state(ckpt_dir, tag)
-    blockers = resume_blockers(state["recipe"], recipe, state.get("precision"))
+    blockers = resume_blockers(state.recipe, recipe, state.precision)
     if blockers:
-        raise ValueError(f"--resume auto: checkpoint {tag!r} was made with a different recipe; field(s) "
-                         f"{blockers} differ from {args.recipe}. Use a new --output or the original recipe.")
+        raise BadInput(f"--resume auto: checkpoint {tag!r} was made with a different recipe; field(s) "
+                       f"{blockers} differ from {args.recipe}. Use a new --output or the original recipe.")
     _check_run_matches(ckpt_dir, tag, args, tokenizer, model_config)
-    if state.get("zero_stage") == 0 and int(state["world_size"]) != world_size:
-        raise ValueError(f"--resume auto: checkpoint {tag!r} was written by {state['world_size']} ranks without ZeRO "
-                         f"partitions of its own; resume it on {state['world_size']} ranks or use ZeRO stage 1/2")
-    if state["phase_done"]:
-        return StartPoint(phase=state["phase"] + 1, step=0, tag=tag, handoff=True, damaged=damaged)
-    return StartPoint(phase=state["phase"], step=state["step"], tag=tag, handoff=False, damaged=damaged)
+    if state.zero_stage == 0 and state.world_size != world_size:
+        raise BadInput(f"--resume auto: checkpoint {tag!r} was written by {state.world_size} ranks without ZeRO "
+                       f"partitions of its own; resume it on {state.world_size} ranks or use ZeRO stage 1/2")
+    if state.phase_done:
+        return StartPoint(phase=state.phase + 1, step=0, tag=tag, handoff=True, damaged=damaged)
+    return StartPoint(phase=state.phase, step=state.step, tag=tag, handoff=False, damaged=damaged)
 
 
 def _check_run_matches(ckpt_dir: Path, tag: str, args: RunArgs, tokenizer, model_config: BertConfig) -> None:
     """The tokenizer (vocabulary sha256, size, casing) and model config of this run are those ``tag`` was trained
     with: what the tag recorded (bert_ds >= issue 16), else the tokenizer copy and ``model_config.json`` beside it."""
     where = f"--resume auto: checkpoint {ckpt_dir / tag}"
-    saved_sha, saved_lower = ckpt.trained_vocabulary(ckpt_dir, tag)
-    if saved_sha is not None and saved_sha != tokenizer.vocab_sha256:
-        first = ckpt.first_id_differing(ckpt_dir, tag, saved_sha, tokenizer)
-        raise ValueError(f"{where} was trained with vocabulary sha256 {saved_sha[:16]}... but --tokenizer "
-                         f"{args.tokenizer} has {tokenizer.vocab_sha256[:16]}...{first}: "
-                         f"resuming would train the old weights on other token ids. Use the original tokenizer or a "
-                         f"new --output")
-    if saved_lower is not None and saved_lower != tokenizer.lowercase:
-        raise ValueError(f"{where} was trained {_casing(saved_lower)} (lowercase={saved_lower}) but --tokenizer "
-                         f"{args.tokenizer} is {_casing(tokenizer.lowercase)}. Use the original tokenizer or a new "
-                         f"--output")
+    mismatch = ckpt.trained_tokenizer_mismatch(ckpt_dir, tag, tokenizer)
+    if mismatch is not None and mismatch.field == "vocab_sha256":
+        raise BadInput(f"{where} was trained with vocabulary sha256 {mismatch.trained[:16]}... but --tokenizer "
+                       f"{args.tokenizer} has {mismatch.given[:16]}...{mismatch.first_difference}: "
+                       f"resuming would train the old weights on other token ids. Use the original tokenizer or a "
+                       f"new --output")
+    if mismatch is not None:
+        raise BadInput(f"{where} was trained {_casing(mismatch.trained)} (lowercase={mismatch.trained}) but "
+                       f"--tokenizer {args.tokenizer} is {_casing(mismatch.given)}. Use the original tokenizer or a "
+                       f"new --output")
     if (ckpt_dir / ckpt.MODEL_CONFIG_NAME).is_file():
         saved_cfg = ckpt.read_model_config(ckpt_dir).to_dict()
         differ = sorted(k for k in set(saved_cfg) | set(model_config.to_dict())
                         if saved_cfg.get(k) != model_config.to_dict().get(k))
         if differ:
             field = differ[0]
-            raise ValueError(f"{where}: {ckpt_dir / ckpt.MODEL_CONFIG_NAME} field {field!r} is "
-                             f"{saved_cfg.get(field)!r} but this run's model has {model_config.to_dict().get(field)!r}"
-                             f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
+            raise BadInput(f"{where}: {ckpt_dir / ckpt.MODEL_CONFIG_NAME} field {field!r} is "
+                           f"{saved_cfg.get(field)!r} but this run's model has {model_config.to_dict().get(field)!r}"
+                           f" (fields differing: {differ}). Use the original recipe/tokenizer or a new --output")
 
 
 def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> tuple[str, tuple[str, ...]]:
@@ -389,8 +415,8 @@ def _newest_intact(ckpt_dir: Path, latest: str, rank: int, world_size: int) -> t
                 log.warning("=" * 100)
             return tag, tuple(name for name, _ in skipped)
         skipped.append((tag, damage[0] + (f" and {len(damage) - 1} more file(s)" if len(damage) > 1 else "")))
-    raise ValueError(f"--resume auto: checkpoint {skipped[0][0]} is damaged: {skipped[0][1]}; no older intact tag in "
-                     f"{ckpt_dir} to fall back to")
+    raise BadInput(f"--resume auto: checkpoint {skipped[0][0]} is damaged: {skipped[0][1]}; no older intact tag in "
+                   f"{ckpt_dir} to fall back to")
 
 
 def _gather_lines(lines: list[str]) -> list[str]:
@@ -404,32 +430,45 @@ def _gather_lines(lines: list[str]) -> list[str]:
     return [line for part in parts for line in part]
 
 
+def loader_for_phase(plan: RunPlan, p: int, *, num_workers: int | None = None, verify: str | None = None):
+    """Phase ``p``'s training loader on this rank: the loader the trainer iterates and the one pre-flight checks a
+    resume against are both built here, from the recipe's phase and the plan (data, seed, rank count, vocabulary,
+    dynamic masking with the tokenizer's [MASK] id). ``num_workers`` and ``verify`` default to the run's
+    (``--num-workers``, :attr:`RunPlan.loader_verify`); they change how batches are made, never which. Data order
+    depends on the recipe seed and the phase only: the same for any number of ranks."""
+    from bert_ds.data.loader import DynamicMasking, build_loader
+
+    phase = plan.recipe.phases[p]
+    masking = None
+    if phase.dynamic_masking:
+        masking = DynamicMasking.from_tokenizer(plan.args.tokenizer, masked_lm_prob=phase.masked_lm_prob,
+                                                max_predictions=phase.max_predictions)
+    return build_loader(plan.data_sources[p], global_batch_size=phase.global_batch_size,
+                        micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
+                        seed=plan.recipe.seed + p,
+                        num_workers=plan.args.num_workers if num_workers is None else num_workers,
+                        expected_seq_len=phase.seq_len, expected_vocab_sha256=plan.vocab_sha256,
+                        max_predictions=phase.max_predictions, dynamic_masking=masking,
+                        shuffle_window_shards=phase.shuffle_window_shards,
+                        verify=plan.loader_verify if verify is None else verify)
+
+
 def _check_loader_state(plan: RunPlan) -> None:
     """A mid-phase resume continues the saved sample stream: the loader refuses another shard set, mix, seed or batch
     layout; asked here, before the run writes anything (a loader without worker processes reads only index.json)."""
-    from bert_ds.data.loader import build_loader
-
     start = plan.start
     if start.tag is None or start.handoff or start.phase not in plan.data:
         return
-    phase = plan.recipe.phases[start.phase]
-    loader = build_loader(plan.data_sources[start.phase], global_batch_size=phase.global_batch_size,
-                          micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
-                          seed=plan.recipe.seed + start.phase, num_workers=0, expected_seq_len=phase.seq_len,
-                          expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
-                          shuffle_window_shards=phase.shuffle_window_shards, verify="size")
-    state = ckpt.read_run_state(plan.ckpt_dir, start.tag).get("loader")
-    if not isinstance(state, dict):
-        raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: run_state.json holds no loader "
-                         "position ('loader'), so the sample stream cannot continue exactly; resume from another tag")
+    loader = loader_for_phase(plan, start.phase, num_workers=0, verify="size")
+    state = ckpt.read_run_state(plan.ckpt_dir, start.tag).loader
     try:
         loader.load_state_dict(state, continue_with_new_mix=plan.args.continue_with_new_mix)
     except MixChangedError as exc:
-        raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}; pass "
-                         "--continue-with-new-mix to continue with the new mix (each source kept goes on where it "
-                         "was, a new one from its start)") from exc
+        raise BadInput(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}; pass "
+                       "--continue-with-new-mix to continue with the new mix (each source kept goes on where it "
+                       "was, a new one from its start)") from exc
     except ValueError as exc:
-        raise ValueError(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}") from exc
+        raise BadInput(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}") from exc
 
 
 def _nothing_to_do(plan: RunPlan) -> str | None:
@@ -438,8 +477,8 @@ def _nothing_to_do(plan: RunPlan) -> str | None:
     if start.phase >= len(plan.recipe.phases) or start.phase not in phases and start.phase > max(phases):
         return f"nothing to do: {start.tag} already finished the selected phase(s)"
     if start.phase not in phases:
-        raise ValueError(f"--phase {plan.args.phase}: the newest checkpoint {start.tag!r} is in phase "
-                         f"{start.phase + 1}")
+        raise BadInput(f"--phase {plan.args.phase}: the newest checkpoint {start.tag!r} is in phase "
+                       f"{start.phase + 1}")
     max_steps = plan.args.max_steps
     if max_steps is not None and plan.first_step_of(start.phase) + start.step >= max_steps:
         # re-running a finished --max-steps command trains nothing and saves nothing
@@ -448,7 +487,7 @@ def _nothing_to_do(plan: RunPlan) -> str | None:
 
 
 def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPlan:
-    """Check everything before compute and return the plan; raises ValueError/FileNotFoundError naming the culprit."""
+    """Check everything before compute and return the plan; raises BadInput/FileNotFoundError naming the culprit."""
     from deepspeed.accelerator import get_accelerator
 
     from bert_ds.data.tokenizer import load_tokenizer
@@ -456,6 +495,7 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     from bert_ds.runtime.engine import check_optimizer_support, resolve_precision
 
     check_deepspeed_version()  # bert_ds relies on DeepSpeed-version-specific internals
+    check_step_timeout(args, recipe)
     phases = _selected_phases(args, recipe)
     n = len(recipe.phases)
     data, data_sources, data_labels = _training_data(args, recipe, phases, rank)

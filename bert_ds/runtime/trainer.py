@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +30,10 @@ from bert_ds.model.compile import COMPILE_BOUND_PER_PHASE, compiled_graphs
 from bert_ds.model.unpad import host_counts
 from bert_ds.optim.schedule import apply_elapsed, rescale_peak
 from bert_ds.runtime.distributed import seed_everything
-from bert_ds.runtime.preflight import RunPlan, StartPoint
+from bert_ds.runtime.preflight import RunPlan, StartPoint, loader_for_phase
+
+if TYPE_CHECKING:
+    from bert_ds.data.loader import MixedShardLoader, ShardLoader
 
 __all__ = ["DropoutKey", "EXIT_PREEMPTED", "NonFiniteGuard", "NonFiniteLossError", "PhaseOutcome", "StepRecord",
            "run_phase", "train_step"]
@@ -182,8 +186,11 @@ class _Phase:
 
     index: int
     te: object
-    loader: object
-    eval_loader: object | None
+    loader: ShardLoader | MixedShardLoader
+    """The phase's training loader: one surface for one shard set and a mix (iterate, ``state_dict``,
+    ``load_state_dict``, ``describe``, ``mix_change``), built by :func:`~bert_ds.runtime.preflight.loader_for_phase`."""
+    eval_loader: dict | None
+    """Held-out set name -> its eval loader (one entry: one set), or None without ``--eval-data`` for the phase."""
     step: int
     consumed: int
     last_good: str | None
@@ -217,20 +224,10 @@ def _build_model_and_engine(plan: RunPlan, p: int, start: StartPoint):
 
 
 def _build_loaders(plan: RunPlan, p: int):
-    from bert_ds.data.loader import DynamicMasking, build_eval_loader, build_loader
+    from bert_ds.data.loader import build_eval_loader
 
-    recipe, phase = plan.recipe, plan.recipe.phases[p]
-    masking = None
-    if phase.dynamic_masking:  # [MASK]'s id comes from the tokenizer
-        masking = DynamicMasking.from_tokenizer(plan.args.tokenizer, masked_lm_prob=phase.masked_lm_prob,
-                                                max_predictions=phase.max_predictions)
-    # Data order depends on the recipe seed and the phase only: the same for any number of ranks.
-    loader = build_loader(plan.data_sources[p], global_batch_size=phase.global_batch_size,
-                          micro_batch_size=phase.micro_batch_size, rank=plan.rank, world_size=plan.world_size,
-                          seed=recipe.seed + p, num_workers=plan.args.num_workers, expected_seq_len=phase.seq_len,
-                          expected_vocab_sha256=plan.vocab_sha256, max_predictions=phase.max_predictions,
-                          dynamic_masking=masking, shuffle_window_shards=phase.shuffle_window_shards,
-                          verify=plan.loader_verify)
+    phase = plan.recipe.phases[p]
+    loader = loader_for_phase(plan, p)
     eval_loader = None
     if p in plan.eval_data:  # several held-out sets: name -> loader, each reported on its own
         loaders = {s.name: build_eval_loader(s.path, micro_batch_size=phase.micro_batch_size, rank=plan.rank,
@@ -238,19 +235,19 @@ def _build_loaders(plan: RunPlan, p: int):
                                              expected_vocab_sha256=plan.vocab_sha256,
                                              max_predictions=phase.max_predictions, verify=plan.loader_verify)
                    for s in plan.eval_sources[p]}
-        eval_loader = loaders if len(loaders) > 1 else next(iter(loaders.values()))
+        eval_loader = loaders
     elif phase.target_mlm_accuracy is not None and plan.rank == 0:
         log.warning("phases[%d].target_mlm_accuracy=%s is ignored without --eval-data for phase %d: it runs all %d "
                     "steps", p, phase.target_mlm_accuracy, p + 1, phase.steps)
     return loader, eval_loader
 
 
-def _apply_changed_lr(plan: RunPlan, ph: _Phase, saved: dict, tag: str) -> None:
+def _apply_changed_lr(plan: RunPlan, ph: _Phase, saved: ckpt.RunState, tag: str) -> None:
     """A resume with a changed ``phases[p].lr`` (the non-finite guard's advice): the restored LambdaLR carries the
     saved peak in ``base_lrs``, so rescale it to the recipe's and set the next step's lr from the same point of the
     schedule (warmup/decay position kept)."""
     p = ph.index
-    before = float(saved["recipe"]["phases"][p]["lr"])
+    before = float(saved.recipe["phases"][p]["lr"])
     now = plan.recipe.phases[p].lr
     if before == now:
         return
@@ -266,20 +263,20 @@ def _restore(plan: RunPlan, ph: _Phase, start: StartPoint) -> None:
     p, tag = ph.index, start.tag
     restored = ckpt.restore_run(ph.te.engine, plan.ckpt_dir, tag, plan.rank)
     saved = restored.run_state
-    ph.loader.load_state_dict(saved["loader"], continue_with_new_mix=plan.args.continue_with_new_mix)
-    if getattr(ph.loader, "mix_change", None) and plan.rank == 0:
+    ph.loader.load_state_dict(saved.loader, continue_with_new_mix=plan.args.continue_with_new_mix)
+    if ph.loader.mix_change and plan.rank == 0:
         log.warning("resuming %s with a new data mix (--continue-with-new-mix): %s; it starts at global batch %d",
                     tag, ph.loader.mix_change, ph.loader.consumed_global_batches)
-    ph.consumed = saved["consumed_samples"]
+    ph.consumed = saved.consumed_samples
     budget = ph.te.time_budget
     if budget is not None:  # the training time spent before the checkpoint counts against the budget
-        budget.load_state_dict(saved["time_budget"])
+        budget.load_state_dict(saved.time_budget)
         apply_elapsed(ph.te.scheduler, budget, budget.agreed_s)
     _apply_changed_lr(plan, ph, saved, tag)
     if not restored.rng_restored:  # another rank count: dropout does not need per-rank streams (DropoutKey)
         seed_everything(plan.recipe.seed + 1000 * p + 7919 * start.step + plan.rank)
     log.info("resumed %s: phase %d step %d, %d samples consumed (saved on %d ranks, now %d)", tag, p + 1,
-             start.step, ph.consumed, saved["world_size"], plan.world_size)
+             start.step, ph.consumed, saved.world_size, plan.world_size)
 
 
 def _start_phase(plan: RunPlan, p: int, start: StartPoint) -> _Phase:
@@ -291,21 +288,22 @@ def _start_phase(plan: RunPlan, p: int, start: StartPoint) -> _Phase:
         _restore(plan, ph, start)
     else:
         seed_everything(plan.recipe.seed + 1000 * p + plan.rank)
-    if plan.rank == 0 and hasattr(loader, "describe"):  # a mix: what each source gives over the phase
-        print(f"phase {p + 1} " + "\n".join(loader.describe(plan.recipe.phases[p].steps)), flush=True)
+    described = loader.describe(plan.recipe.phases[p].steps)  # a mix: what each source gives over the phase
+    if plan.rank == 0 and described:
+        print(f"phase {p + 1} " + "\n".join(described), flush=True)
     return ph
 
 
 def _save(plan: RunPlan, ph: _Phase, metrics, done: bool) -> None:
     recipe = plan.recipe
     metrics.flush()
-    state = {"recipe": recipe.to_dict(), "phase": ph.index, "step": ph.step, "phase_done": done,
-             "global_step": plan.first_step_of(ph.index) + ph.step, "consumed_samples": ph.consumed,
-             "loader": ph.loader.state_dict(), "world_size": plan.world_size,
-             "zero_stage": recipe.deepspeed.zero_stage, "precision": ph.te.precision,
-             "vocab_sha256": plan.vocab_sha256, "lowercase": plan.lowercase}  # the converter checks tokenizer/
-    if ph.te.time_budget is not None:
-        state["time_budget"] = ph.te.time_budget.state_dict()
+    budget = ph.te.time_budget
+    state = ckpt.RunState(recipe=recipe.to_dict(), phase=ph.index, step=ph.step, phase_done=done,
+                          global_step=plan.first_step_of(ph.index) + ph.step, consumed_samples=ph.consumed,
+                          loader=ph.loader.state_dict(), world_size=plan.world_size,
+                          zero_stage=recipe.deepspeed.zero_stage, precision=ph.te.precision,
+                          vocab_sha256=plan.vocab_sha256, lowercase=plan.lowercase,  # the converter checks tokenizer/
+                          time_budget=budget.state_dict() if budget is not None else None)
     tag = ckpt.tag_for(ph.index, ph.step)
     ph.watch.begin(f"phase {ph.index + 1} step {ph.step}: checkpoint save {tag}", slow=True)
     ckpt.save_checkpoint(ph.te.engine, plan.run_dir, tag, state, recipe.logging.keep_last_k)
@@ -338,10 +336,10 @@ def _evaluate_and_maybe_stop(plan: RunPlan, ph: _Phase, metrics, done: bool) -> 
         return done
     engine = ph.te.engine
     ph.watch.begin(f"phase {ph.index + 1} step {ph.step}: evaluation", slow=True)
-    if isinstance(ph.eval_loader, dict):
+    if len(ph.eval_loader) > 1:
         result = evaluate_sources(engine.module, ph.eval_loader, engine.device)
     else:
-        result = evaluate(engine.module, ph.eval_loader, engine.device)
+        result = evaluate(engine.module, next(iter(ph.eval_loader.values())), engine.device)
     metrics.log_eval(plan.first_step_of(ph.index) + ph.step, result)
     engine.train()
     accuracy = result.get("mlm_accuracy")

@@ -21,13 +21,14 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.checkpoint import save as ckpt_save
 from bert_ds.config import model_preset
 from tests.helpers import HANG_GUARD_S
+from tests.helpers.run_state import fake_run_state
 from tests.helpers.runs import REPO
 
 
 def _tag(ckpt_dir: Path, tag: str, phase_done: bool = False) -> Path:
     (ckpt_dir / tag).mkdir(parents=True)
     (ckpt_dir / tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
-    (ckpt_dir / tag / ckpt.RUN_STATE_NAME).write_text(json.dumps({"phase_done": phase_done}))
+    (ckpt_dir / tag / ckpt.RUN_STATE_NAME).write_text(json.dumps(fake_run_state(phase_done=phase_done).to_dict()))
     return ckpt_dir / tag
 
 
@@ -190,7 +191,7 @@ def test_free_space_check_uses_the_newest_checkpoint_or_the_model_size(tmp_path,
     d = ckpt.checkpoint_dir(tmp_path / "run")
     _tag(d, "phase1-step000001")
     needed = ckpt.check_free_space(tmp_path / "run", config)
-    assert needed == int(1.1 * (1000 + len(json.dumps({"phase_done": False}))))
+    assert needed == int(1.1 * (1000 + (d / "phase1-step000001" / ckpt.RUN_STATE_NAME).stat().st_size))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=needed - 1))
     with pytest.raises(ckpt.CheckpointError, match=rf"{d}: 0.0 MiB free .* checkpoint phase1-step000001"):
         ckpt.check_free_space(tmp_path / "run", config)

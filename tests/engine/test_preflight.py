@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from bert_ds.data.loader import build_loader
+from bert_ds.errors import BadInput
 from bert_ds.recipe import Recipe
 from bert_ds.runtime.preflight import StartPoint, plan_run
 from bert_ds.runtime.pretrain import parse_args
+from tests.helpers.run_state import fake_run_state
 from tests.helpers.runs import SMALL_RECIPE, write_recipe
 
 
@@ -21,19 +23,24 @@ def _plan(tmp_path: Path, data: tuple[Path, Path], *extra: str, recipe: dict | N
     return plan_run(args, Recipe.from_dict(json.loads(path.read_text())), rank=0, world_size=world_size)
 
 
-def _fake_checkpoint(run: Path, phase: int, step: int, done: bool, data: Path | None = None) -> str:
-    """The two files pre-flight reads of a checkpoint: ``latest`` and the tag's run_state.json; with ``data`` (a
-    mid-phase tag), the loader position a run over that shard set saves after ``step`` steps."""
+def _fake_checkpoint(run: Path, tokenizer: Path, phase: int, step: int, done: bool, data: Path | None = None,
+                     without: str | None = None) -> str:
+    """The two files pre-flight reads of a checkpoint: ``latest`` and the tag's run_state.json, trained with the
+    synthetic shards' tokenizer; with ``data`` (a mid-phase tag), the loader position a run over that shard set saves
+    after ``step`` steps; ``without`` leaves that field out."""
     tag = f"phase{phase + 1}-step{step:06d}"
     (run / "checkpoints" / tag).mkdir(parents=True)
     recipe = Recipe.from_dict(SMALL_RECIPE)
-    state = {"recipe": recipe.to_dict(), "phase": phase, "step": step, "phase_done": done, "world_size": 1}
+    loader = {}
     if data is not None:
         p = recipe.phases[phase]
         loader = build_loader(data, global_batch_size=p.global_batch_size, micro_batch_size=p.micro_batch_size,
                               rank=0, world_size=1, seed=recipe.seed + phase, num_workers=0,
                               max_predictions=p.max_predictions, shuffle_window_shards=p.shuffle_window_shards)
-        state["loader"] = {**loader.state_dict(), "consumed_global_batches": step}
+        loader = {**loader.state_dict(), "consumed_global_batches": step}
+    state = fake_run_state(tokenizer_dir=tokenizer, recipe=recipe.to_dict(), phase=phase, step=step,
+                           phase_done=done, loader=loader).to_dict()
+    state.pop(without, None)
     (run / "checkpoints" / tag / "run_state.json").write_text(json.dumps(state))
     (run / "checkpoints" / "latest").write_text(tag)
     return tag
@@ -49,19 +56,19 @@ def test_fresh_plan(synthetic_data, tmp_path):
 
 
 def test_resume_points(synthetic_data, tmp_path):
-    run = tmp_path / "run"
-    tag = _fake_checkpoint(run, phase=0, step=2, done=False)
-    with pytest.raises(ValueError, match="run_state.json holds no loader position"):
+    run, tok = tmp_path / "run", synthetic_data[0].parent / "tokenizer"
+    tag = _fake_checkpoint(run, tok, phase=0, step=2, done=False, without="loader")
+    with pytest.raises(BadInput, match=r"run_state.json: field 'loader' is missing"):
         _plan(tmp_path, synthetic_data, "--resume", "auto")
-    tag = _fake_checkpoint(run, phase=0, step=3, done=False, data=synthetic_data[0])
+    tag = _fake_checkpoint(run, tok, phase=0, step=3, done=False, data=synthetic_data[0])
     assert _plan(tmp_path, synthetic_data, "--resume", "auto").start == StartPoint(0, 3, tag, False)
     with pytest.raises(ValueError, match="--resume auto"):
         _plan(tmp_path, synthetic_data)  # an existing checkpoint is never silently overwritten
-    tag = _fake_checkpoint(run, phase=0, step=4, done=True)
+    tag = _fake_checkpoint(run, tok, phase=0, step=4, done=True)
     assert _plan(tmp_path, synthetic_data, "--resume", "auto").start == StartPoint(1, 0, tag, True)
     capped = _plan(tmp_path, synthetic_data, "--resume", "auto", "--max-steps", "4")
     assert capped.nothing_to_do and "--max-steps 4" in capped.nothing_to_do
-    tag = _fake_checkpoint(run, phase=1, step=2, done=True)
+    tag = _fake_checkpoint(run, tok, phase=1, step=2, done=True)
     assert "already finished" in _plan(tmp_path, synthetic_data, "--resume", "auto").nothing_to_do
 
 

@@ -16,6 +16,7 @@ from bert_ds.data.mix import Source
 from bert_ds.recipe import Recipe, load_recipe
 from bert_ds.runtime.preflight import plan_run
 from bert_ds.runtime.pretrain import parse_args
+from tests.helpers.run_state import fake_run_state
 from tests.helpers.runs import SMALL_RECIPE, write_recipe
 
 
@@ -66,7 +67,7 @@ def test_each_source_is_checked_and_the_faulty_one_named(mix_shards_128, tokeniz
         _plan(tmp_path, _spec((good, 1), (odd, 1)), tokenizer_dir, "--verify-shards", "sha256")
 
 
-def _mixed_checkpoint(run: Path, sources: list[Source], steps: int) -> None:
+def _mixed_checkpoint(run: Path, sources: list[Source], steps: int, tokenizer: Path) -> None:
     """``latest`` and a mid-phase run_state.json whose loader state is a mix of ``sources`` after ``steps`` steps."""
     tag = f"phase1-step{steps:06d}"
     (run / "checkpoints" / tag).mkdir(parents=True)
@@ -77,15 +78,15 @@ def _mixed_checkpoint(run: Path, sources: list[Source], steps: int) -> None:
                           shuffle_window_shards=p.shuffle_window_shards, verify="size")
     for _ in zip(range(steps * loader.gradient_accumulation_steps), loader, strict=False):
         pass
-    state = {"recipe": recipe.to_dict(), "phase": 0, "step": steps, "phase_done": False, "world_size": 1,
-             "loader": loader.state_dict()}
-    (run / "checkpoints" / tag / "run_state.json").write_text(json.dumps(state))
+    state = fake_run_state(tokenizer_dir=tokenizer, recipe=recipe.to_dict(), step=steps, loader=loader.state_dict())
+    (run / "checkpoints" / tag / "run_state.json").write_text(json.dumps(state.to_dict()))
     (run / "checkpoints" / "latest").write_text(tag)
 
 
 def test_a_resume_with_another_mix_is_refused_by_name_unless_asked(mix_shards_128, tokenizer_dir, tmp_path):
     lic, std = mix_shards_128["licenses"], mix_shards_128["stdlib"]
-    _mixed_checkpoint(tmp_path / "run", [Source(str(lic), 1.0), Source(str(std), 3.0)], steps=2)
+    _mixed_checkpoint(tmp_path / "run", [Source(str(lic), 1.0), Source(str(std), 3.0)], steps=2,
+                      tokenizer=tokenizer_dir)
     assert _plan(tmp_path, _spec((lic, 1), (std, 3)), tokenizer_dir, "--resume", "auto").start.step == 2
     with pytest.raises(ValueError, match=r"source '.*stdlib128' weight 3.0 -> 1; pass --continue-with-new-mix"):
         _plan(tmp_path, _spec((lic, 1), (std, 1)), tokenizer_dir, "--resume", "auto")
@@ -156,7 +157,8 @@ def test_a_resume_with_another_recipe_mix_is_refused_by_name_unless_asked(mix_sh
     another directory (the shard sets are matched by content); a recipe whose weights changed is refused like the
     command line's, and goes on with --continue-with-new-mix."""
     lic, std = mix_shards_128["licenses"], mix_shards_128["stdlib"]
-    _mixed_checkpoint(tmp_path / "run", [Source(str(lic), 1.0), Source(str(std), 3.0)], steps=2)
+    _mixed_checkpoint(tmp_path / "run", [Source(str(lic), 1.0), Source(str(std), 3.0)], steps=2,
+                      tokenizer=tokenizer_dir)
     moved = shutil.copytree(lic, tmp_path / "moved" / "licenses128")
     same = [{"path": "../moved/licenses128", "weight": 1}, {"path": str(std), "weight": 3}]
     plan = _recipe_plan(tmp_path, same, tokenizer_dir, "--resume", "auto")

@@ -64,7 +64,7 @@ def _ran(outcome: Outcome, code: int = 0) -> Outcome:
 
 
 def _state(run: Path, tag: str) -> dict:
-    return ckpt.read_run_state(run / "checkpoints", tag)
+    return ckpt.read_run_state(run / "checkpoints", tag).to_dict()
 
 
 @pytest.fixture(scope="module")

@@ -188,8 +188,8 @@ def check_resume_on_one_rank(ctx: Ctx, out: Outcome) -> str:
     for tag in (PHASE1_END, FINAL_TAG):
         got, want = ckpt.read_run_state(ctx.run / "checkpoints", tag), ckpt.read_run_state(
             reference / "checkpoints", tag)
-        assert (got["consumed_samples"], got["loader"]["consumed_global_batches"]) == \
-            (want["consumed_samples"], want["loader"]["consumed_global_batches"])
+        assert (got.consumed_samples, got.loader["consumed_global_batches"]) == \
+            (want.consumed_samples, want.loader["consumed_global_batches"])
         diffs = assert_close_params(weights(ctx.run, tag), weights(reference, tag), f"{tag} 2 -> 1 ranks")
     return (f"nothing: same samples consumed; {FINAL_TAG} within {diffs['tensor_rel']:.1e} relative of the 2-rank "
             f"run (bound 1e-5)")
@@ -509,7 +509,7 @@ def keep_last_one(ctx: Ctx) -> Launch:
 
 def check_keep_last_one(ctx: Ctx, out: Outcome) -> str:
     assert _tags(ctx.run) == [PHASE1_END, FINAL_TAG], _tags(ctx.run)
-    assert ckpt.read_run_state(ctx.run / "checkpoints", PHASE1_END)["phase_done"] is True
+    assert ckpt.read_run_state(ctx.run / "checkpoints", PHASE1_END).phase_done is True
     return _intact(ctx.run, FINAL_TAG) + f"; {PHASE1_END} (phase end) kept and loads with keep_last_k=1"
 
 

@@ -20,9 +20,11 @@ import torch
 
 from bert_ds.checkpoint import RUN_STATE_NAME, checkpoint_dir, tag_for, write_run_metadata
 from bert_ds.config import BertConfig, model_preset
+from bert_ds.data.tokenizer import read_lowercase
 from bert_ds.model import BertForPreTraining
 from bert_ds.recipe import load_recipe
 from tests.helpers import free_port
+from tests.helpers.run_state import fake_run_state
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = tag_for(0, 1)
@@ -57,7 +59,8 @@ def write_stage0_run(run_dir: Path, model: BertForPreTraining, tokenizer_source:
     ckpt = checkpoint_dir(run_dir)
     (ckpt / tag).mkdir()
     torch.save({"module": model.state_dict()}, ckpt / tag / "mp_rank_00_model_states.pt")
-    (ckpt / tag / RUN_STATE_NAME).write_text(json.dumps({"world_size": 1}) + "\n")
+    state = fake_run_state(tokenizer_dir=tokenizer_source, lowercase=read_lowercase(tokenizer_source))
+    (ckpt / tag / RUN_STATE_NAME).write_text(json.dumps(state.to_dict()) + "\n")
     (ckpt / "latest").write_text(tag)
     return ckpt
 
@@ -88,7 +91,7 @@ def write_checkpoint(out: Path, stage: int) -> None:
     run_dir = out / f"stage{stage}"
     tokenizer = write_tokenizer_dir(out / "tokenizer_src", VOCAB, {"tokenizer_meta.json": '{"lowercase": true}\n'})
     write_run_metadata(run_dir, load_recipe(RECIPE), config, tokenizer)
-    save_checkpoint(engine, run_dir, TAG, {"world_size": 1, "zero_stage": stage}, keep_last_k=1)
+    save_checkpoint(engine, run_dir, TAG, fake_run_state(tokenizer_dir=tokenizer, zero_stage=stage), keep_last_k=1)
     if stage == 3:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             reference = {k: v.detach().clone().float() for k, v in engine.module.state_dict().items()}
