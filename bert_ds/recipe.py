@@ -385,12 +385,6 @@ class Recipe:
             raise BadInput(f"kernels={self.kernels!r}: choose one of {_KERNELS}")
         if not isinstance(self.compile, bool):
             raise BadInput(f"compile={self.compile!r}: must be true or false")
-        if self.kernels == "triton" and self.deepspeed.precision == "fp32":
-            # The same refusal the registry makes at the first attention call on a GPU
-            # (bert_ds.kernels.registry.FP32_ATTENTION_REFUSED), made here before any rank starts.
-            raise BadInput("kernels='triton' with deepspeed.precision='fp32': the Triton attention kernels refuse "
-                           "fp32 tensors (IEEE fp32 products, no tensor cores, register spills); set "
-                           "deepspeed.precision to 'bf16' or 'fp16', or kernels to 'auto' or 'torch'")
         _non_negative_int("recipe", "seed", self.seed)
         if not self.phases:
             raise BadInput("phases: a recipe needs at least one phase")

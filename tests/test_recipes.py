@@ -313,25 +313,28 @@ def test_compile_is_off_in_every_shipped_recipe_and_free_on_resume():
     assert resume_blockers(saved, Recipe.from_dict(data)) == []
 
 
-@pytest.mark.parametrize("precision, refused", [("fp32", True), ("bf16", False), ("fp16", False), ("auto", False)])
-def test_explicit_triton_with_fp32_is_refused_at_validation(tmp_path, precision, refused):
-    """The Triton attention kernels refuse fp32 tensors on a GPU; a recipe asking for both is refused when it is
-    loaded (exit 2, before any rank starts), naming both fields, not at the first attention call of a started run.
-    ``auto`` resolves to bf16 on a GPU; on CPU ranks Triton needs the interpreter either way."""
+@pytest.mark.parametrize("precision, device, refused", [
+    ("fp32", "cuda", True), ("bf16", "cuda", False), ("fp16", "cuda", False), ("fp32", "cpu", False)])
+def test_explicit_triton_with_fp32_on_cuda_is_refused_in_preflight(tmp_path, precision, device, refused):
+    """The Triton attention kernels refuse fp32 tensors on a GPU; a run asking for both is refused by pre-flight
+    (exit 2, before any rank builds a model), naming the recipe file and both fields, not at the first attention call
+    of a started run. On CPU ranks the same kernels run under the interpreter in fp32 (the tests' path): accepted."""
     from bert_ds.errors import BadInput
+    from bert_ds.runtime.engine import check_kernel_support
 
     data = _tiny()
     data["kernels"], data["deepspeed"]["precision"] = "triton", precision
     path = _write(tmp_path, data)
+    recipe = load_recipe(path)  # the recipe alone is valid: the device decides
     if not refused:
-        assert load_recipe(path).kernels == "triton"
+        check_kernel_support(recipe, precision, device, str(path))
         return
     with pytest.raises(BadInput) as err:
-        load_recipe(path)
+        check_kernel_support(recipe, precision, device, str(path))
     message = str(err.value)
     assert str(path) in message and "kernels='triton'" in message and "deepspeed.precision='fp32'" in message
-    data["kernels"] = "auto"  # the same recipe with the registry choosing (SDPA for fp32 attention) loads
-    assert load_recipe(_write(tmp_path, data)).deepspeed.precision == "fp32"
+    data["kernels"] = "auto"  # the same recipe with the registry choosing (SDPA for fp32 attention) passes
+    check_kernel_support(load_recipe(_write(tmp_path, data)), precision, device, str(path))
 
 
 def test_recipe_refusals_are_typed_bad_input(tmp_path):

@@ -6,15 +6,14 @@ started it; Python's and C's standard streams flushed), then ``os._exit`` ends t
 teardown.
 
 That teardown is a full garbage collection of a heap holding torch, DeepSpeed and Triton, and nothing a rank needs:
-measured on a tiny 2-rank CPU run (2026-11-28, 2 cores, quiet), 1.07 s from ``main``'s return to the process's end,
+measured on a tiny 2-rank CPU run (2 cores, quiet), 1.07 s from ``main``'s return to the process's end,
 0.17 s without the collection; under load 7.5, 5-9 s (py-spy: ``gc_collect_main``) -- seconds every launch waits
 and a pre-empted job spends inside its grace period. (``gc.freeze()`` skips the collection too, but Triton's nanobind
 bindings then print leak warnings on every exit.)
 
 The teardown also ran C++ static destructors, and those abort a gloo rank now and then ("terminate called without an
-active exception", SIGABRT) even after it destroyed its process group: the ZeRO state benchmark's rank 1 did, after
-``barrier`` + ``destroy_process_group`` (CI, 2026-11-28, exit -6). Every process bert_ds or its tests start as a
-DeepSpeed rank therefore ends here (pretrain.py, the benchmark ranks, the test workers)."""
+active exception", SIGABRT, exit -6) even after ``barrier`` + ``destroy_process_group``. Every process bert_ds or
+its tests start as a DeepSpeed rank therefore ends here (pretrain.py, the benchmark ranks, the test workers)."""
 
 from __future__ import annotations
 

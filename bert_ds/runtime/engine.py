@@ -25,8 +25,9 @@ from bert_ds.model.compile import compile_model
 from bert_ds.optim import GlobalNormClip, TimeBudget, bind_optimizer, build_optimizer, lr_lambda
 from bert_ds.recipe import PhaseConfig, Recipe, check_grad_accum_stage, gradient_accumulation_steps
 
-__all__ = ["TrainEngine", "build_engine", "build_model", "check_optimizer_support", "deepspeed_config",
-           "fp32_grad_sums", "initialize_deepspeed", "own_stage0_clip", "phase_scheduler", "resolve_precision"]
+__all__ = ["TrainEngine", "build_engine", "build_model", "check_kernel_support", "check_optimizer_support",
+           "deepspeed_config", "fp32_grad_sums", "initialize_deepspeed", "own_stage0_clip", "phase_scheduler",
+           "resolve_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,19 @@ def check_optimizer_support(recipe: Recipe, precision: str) -> None:
             check_grad_accum_stage(ds.grad_accum_dtype, ds.zero_stage)
         except ValueError as e:
             raise BadInput(f"{e} (deepspeed.precision={ds.precision!r} resolved to bf16)") from None
+
+
+def check_kernel_support(recipe: Recipe, precision: str, device_type: str, recipe_path: str) -> None:
+    """Refuse, in pre-flight (before any rank builds a model), what the kernel registry would refuse at the first
+    attention call: ``kernels='triton'`` on CUDA with a resolved precision of fp32
+    (:data:`bert_ds.kernels.registry.FP32_ATTENTION_REFUSED`). CPU ranks run the same kernels under
+    ``TRITON_INTERPRET=1`` in fp32 (the CPU tests' twin of the GPU path), so only CUDA is refused."""
+    from bert_ds.kernels.registry import FP32_ATTENTION_REFUSED
+
+    if recipe.kernels == "triton" and precision == "fp32" and device_type == "cuda":
+        raise BadInput(f"{recipe_path}: kernels='triton' with deepspeed.precision={recipe.deepspeed.precision!r} "
+                       f"(resolved to fp32) on CUDA: {FP32_ATTENTION_REFUSED}; set deepspeed.precision to 'bf16' "
+                       f"or 'fp16', or kernels to 'auto' or 'torch'")
 
 
 def fp32_grad_sums(recipe: Recipe, precision: str) -> bool:

@@ -492,7 +492,7 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
 
     from bert_ds.data.tokenizer import load_tokenizer
     from bert_ds.deepspeed_internals import check_deepspeed_version
-    from bert_ds.runtime.engine import check_optimizer_support, resolve_precision
+    from bert_ds.runtime.engine import check_kernel_support, check_optimizer_support, resolve_precision
 
     check_deepspeed_version()  # bert_ds relies on DeepSpeed-version-specific internals
     check_step_timeout(args, recipe)
@@ -505,6 +505,7 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     tokenizer = load_tokenizer(args.tokenizer)
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
     check_optimizer_support(recipe, precision)  # refusals name the recipe fields
+    check_kernel_support(recipe, precision, get_accelerator().device_name(), args.recipe)
     model_config = _model_config(args, recipe, tokenizer)
     _state_memory(recipe, phases, model_config, precision, world_size, rank, get_accelerator().device_name())
     _check_shards(recipe, phases, {**data_labels, "--eval-data": eval_sources}, world_size,
