@@ -335,3 +335,22 @@ def test_no_module_defines_a_name_twice():
     found = {str(p.relative_to(REPO)): names for p in sorted((REPO / "bert_ds").rglob("*.py"))
              if (names := _redefined(p.read_text(encoding="utf-8")))}
     assert found == {}, found
+
+
+def _named_loggers(root: Path) -> list[str]:
+    """``getLogger("<literal>")`` calls under ``root``: a module logging under a name not its own."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "getLogger" and node.args
+                    and isinstance(node.args[0], ast.Constant)):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_every_module_logs_under_its_own_name(tmp_path):
+    """A module logs as ``getLogger(__name__)``, so a log line names the module that wrote it; the scan sees a
+    module that borrows another's name."""
+    assert _named_loggers(PACKAGE) == []
+    (tmp_path / "m.py").write_text('import logging\nlog = logging.getLogger("bert_ds.runtime.pretrain")\n')
+    assert _named_loggers(tmp_path) == ["m.py:2"]

@@ -39,7 +39,7 @@ CLIENT_STATE_KEY = "bert_ds"
 merges it into the top level of the model-states file)."""
 
 _CHUNK = 8 * 2**20
-log = logging.getLogger("bert_ds.checkpoint")
+log = logging.getLogger(__name__)
 
 
 class DamagedCheckpointError(CheckpointError):

@@ -77,7 +77,7 @@ class RunLockedError(CheckpointError):
     """Another live process holds the run directory's lock."""
 
 
-log = logging.getLogger("bert_ds.checkpoint")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from bert_ds.safe_load import CheckpointError, deepspeed_loads_weights_only, loa
 __all__ = ["Handoff", "RestoredRun", "consolidated_state_dict", "load_rng_state", "open_handoff", "restore_run",
            "zero_partition_files"]
 
-log = logging.getLogger("bert_ds.checkpoint")
+log = logging.getLogger(__name__)
 
 
 

@@ -53,7 +53,7 @@ from bert_ds.checkpoint.lock import bytes_needed, try_exclusive_tag
 
 __all__ = ["prune_checkpoints", "save_checkpoint", "save_rng_state"]
 
-log = logging.getLogger("bert_ds.checkpoint")
+log = logging.getLogger(__name__)
 
 def save_rng_state(path: Path) -> None:
     """This rank's Python, NumPy, torch CPU and (with CUDA) every CUDA device's generator state, in types
