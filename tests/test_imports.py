@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.devtools.house import ROOMS, import_cycles, import_graph, main, survey
+from bert_ds.devtools.house import ROOMS, from_base, import_cycles, import_graph, main, survey
 from tests.helpers import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,10 +72,7 @@ def imported_modules(source: str, package: str) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
+            base = from_base(node, package)
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # ``from pkg import submodule``
     return names

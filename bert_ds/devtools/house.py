@@ -20,8 +20,8 @@ from pathlib import Path
 
 from bert_ds.cli_args import build_parser, option, parse
 
-__all__ = ["ROOMS", "House", "HouseArgs", "import_cycles", "import_graph", "main", "module_name", "room_of",
-           "survey"]
+__all__ = ["ROOMS", "House", "HouseArgs", "from_base", "import_cycles", "import_graph", "main", "module_name",
+           "room_of", "survey"]
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -64,16 +64,22 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` in ``package`` reads from, relative levels resolved."""
+    base = node.module or ""
+    if node.level:
+        parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+        base = f"{parent}.{base}" if base else parent
+    return base
+
+
 def _targets(tree: ast.AST, package: str, longest_module) -> set[str]:
     targets = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets.update(longest_module(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
+            base = from_base(node, package)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 targets.add(sub if longest_module(sub) == sub else longest_module(base))
