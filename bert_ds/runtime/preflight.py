@@ -244,13 +244,17 @@ def _model_config(args: RunArgs, recipe: Recipe, tokenizer) -> BertConfig:
 def _state_memory(recipe: Recipe, phases: list[int], model_config: BertConfig, precision: str, world_size: int,
                   rank: int, device_type: str) -> None:
     """Log each phase's expected peak memory per GPU (rank 0); on CUDA, refuse (exit 2) a phase whose micro batch
-    the device cannot hold (:mod:`bert_ds.runtime.memory`). Every rank checks the GPU it trains on (``LOCAL_RANK``)."""
+    the device cannot hold (:mod:`bert_ds.runtime.memory`). Every rank checks the GPU it trains on (``LOCAL_RANK``).
+    Elsewhere there is no device to check and only rank 0 logs, so the other ranks skip the estimate (18 meta-device
+    forwards for a two-phase recipe)."""
     import os
 
     import torch
 
     from bert_ds.runtime.memory import check_recipe_memory
 
+    if device_type != "cuda" and rank != 0:
+        return
     device_bytes = None
     if device_type == "cuda":
         index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()

@@ -110,3 +110,17 @@ def test_the_plan_states_each_phases_expected_memory(synthetic_data, tmp_path, c
     assert "tiny seq 128, micro batch 1, fp32, ZeRO-2 on 2 GPU(s)" in lines[0]
     assert "tiny seq 512, micro batch 1" in lines[1]
     assert all("GiB expected per GPU" in line and "not checked against a device (no CUDA)" in line for line in lines)
+
+
+def test_other_cpu_ranks_skip_the_estimate_rank_0_states(synthetic_data, tmp_path, monkeypatch):
+    """Without a device to check, only rank 0's estimate is used (logged): the others do not compute one."""
+    from bert_ds.runtime import memory, preflight
+
+    calls = []
+    real = memory.check_recipe_memory
+    monkeypatch.setattr(memory, "check_recipe_memory", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    recipe = Recipe.from_dict(SMALL_RECIPE)
+    config = recipe.model_config(vocab_size=12000)
+    for rank in (1, 0):
+        preflight._state_memory(recipe, [0, 1], config, "fp32", 2, rank, "cpu")
+    assert calls == [[0, 1]]  # rank 0 only
