@@ -698,29 +698,6 @@ CASES = [
 # ---- fixtures and the one test ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
-    """The uninterrupted 2-rank run of the table's recipe (dropout 0.1) that every resume is compared with."""
-    root = tmp_path_factory.mktemp("fault_reference")
-    args = ["--recipe", str(fault_recipe(root / "recipe.json")), "--data", str(shards_128), str(shards_512),
-            "--tokenizer", str(tokenizer_dir), "--output", str(root / "run")]
-    done = execute(Launch(rank_command(2, args)))
-    assert done.returncode == 0, done.text()[-4000:]
-    return root / "run"
-
-
-@pytest.fixture(scope="module")
-def trained_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
-    """The table's recipe stopped after 2 steps on 2 ranks (``phase1-step000002``): copied by the cases that resume,
-    corrupt or read a checkpoint."""
-    root = tmp_path_factory.mktemp("fault_trained")
-    args = ["--recipe", str(fault_recipe(root / "recipe.json")), "--data", str(shards_128), str(shards_512),
-            "--tokenizer", str(tokenizer_dir), "--output", str(root / "run"), "--max-steps", "2"]
-    done = execute(Launch(rank_command(2, args)))
-    assert done.returncode == 0, done.text()[-4000:]
-    return root / "run"
-
-
-@pytest.fixture(scope="module")
 def eval_shards(english_corpus, tokenizer_dir, tmp_path_factory) -> tuple[Path, Path]:
     """Held-out-style eval sets (another seed) at seq 128 and 512."""
     from bert_ds.data.create import create_shards

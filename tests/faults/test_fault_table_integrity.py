@@ -449,19 +449,6 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("integrity_reference")
-    return _train(root, shards_128, shards_512, tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def trained_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
-    """The table's recipe stopped after 2 steps on 2 ranks (``phase1-step000002``)."""
-    root = tmp_path_factory.mktemp("integrity_trained")
-    return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "2")
-
-
-@pytest.fixture(scope="module")
 def trained_export(trained_run, tmp_path_factory) -> Path:
     """The Hugging Face export of ``trained_run`` (vocab.txt and tokenizer.json included)."""
     out = tmp_path_factory.mktemp("integrity_export") / "hf"

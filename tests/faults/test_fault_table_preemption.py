@@ -32,16 +32,6 @@ def _args(recipe: Path, shards_128: Path, shards_512: Path, tokenizer: Path, run
             "--output", str(run), *extra]
 
 
-@pytest.fixture(scope="module")
-def reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
-    """The uninterrupted 2-rank run (dropout 0.1) a resume must reproduce bit for bit."""
-    root = tmp_path_factory.mktemp("preemption_reference")
-    done = execute(Launch(rank_command(2, _args(fault_recipe(root / "recipe.json"), shards_128, shards_512,
-                                                tokenizer_dir, root / "run"))))
-    assert done.returncode == 0, done.text()[-4000:]
-    return root / "run"
-
-
 def _identical(run: Path, reference: Path) -> None:
     for tag in (PHASE1_END, FINAL_TAG):
         got, want = weights(run, tag), weights(reference, tag)

@@ -1,0 +1,32 @@
+"""Runs the fault tables share: the table's recipe (``tests.helpers.faults.fault_recipe``: the shipped ``tiny_cpu``
+cut to 6 + 2 steps, dropout 0.1) on 2 real DeepSpeed CPU ranks, trained once per test process and read, never
+written, by the cases (a case that resumes or damages one works on its own copy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.faults import Launch, execute, fault_recipe
+from tests.helpers.ranks import rank_command
+
+
+def _train(root: Path, s128: Path, s512: Path, tokenizer: Path, *extra: str) -> Path:
+    args = ["--recipe", str(fault_recipe(root / "recipe.json")), "--data", str(s128), str(s512), "--tokenizer",
+            str(tokenizer), "--output", str(root / "run"), *extra]
+    done = execute(Launch(rank_command(2, args)))
+    assert done.returncode == 0, done.text()[-4000:]
+    return root / "run"
+
+
+@pytest.fixture(scope="session")
+def reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    """The uninterrupted run every resume is compared with, bit for bit."""
+    return _train(tmp_path_factory.mktemp("fault_reference"), shards_128, shards_512, tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    """The run stopped after 2 steps (``phase1-step000002``): copied by the cases that resume, corrupt or read it."""
+    return _train(tmp_path_factory.mktemp("fault_trained"), shards_128, shards_512, tokenizer_dir, "--max-steps", "2")
