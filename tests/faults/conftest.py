@@ -8,25 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.faults import Launch, execute, fault_recipe
-from tests.helpers.ranks import rank_command
-
-
-def _train(root: Path, s128: Path, s512: Path, tokenizer: Path, *extra: str) -> Path:
-    args = ["--recipe", str(fault_recipe(root / "recipe.json")), "--data", str(s128), str(s512), "--tokenizer",
-            str(tokenizer), "--output", str(root / "run"), *extra]
-    done = execute(Launch(rank_command(2, args)))
-    assert done.returncode == 0, done.text()[-4000:]
-    return root / "run"
+from tests.helpers.faults import train_fault_run
 
 
 @pytest.fixture(scope="session")
 def reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
     """The uninterrupted run every resume is compared with, bit for bit."""
-    return _train(tmp_path_factory.mktemp("fault_reference"), shards_128, shards_512, tokenizer_dir)
+    return train_fault_run(tmp_path_factory.mktemp("fault_reference"), shards_128, shards_512, tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
 def trained_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
     """The run stopped after 2 steps (``phase1-step000002``): copied by the cases that resume, corrupt or read it."""
-    return _train(tmp_path_factory.mktemp("fault_trained"), shards_128, shards_512, tokenizer_dir, "--max-steps", "2")
+    return train_fault_run(tmp_path_factory.mktemp("fault_trained"), shards_128, shards_512, tokenizer_dir,
+                           "--max-steps", "2")

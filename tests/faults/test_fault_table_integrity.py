@@ -34,6 +34,7 @@ from tests.helpers.faults import (
     fault_recipe,
     run_row,
     tool_cmd,
+    train_fault_run,
     tree_bytes,
 )
 from tests.helpers.faults import FaultCase as Case
@@ -462,14 +463,14 @@ def trained_export(trained_run, tmp_path_factory) -> Path:
 def trained_run_3(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
     """Stopped after 3 steps: tags phase1-step000002 and phase1-step000003 (an off-interval save)."""
     root = tmp_path_factory.mktemp("integrity_trained3")
-    return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "3")
+    return train_fault_run(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "3")
 
 
 @pytest.fixture(scope="module")
 def trained_run_4(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
     """Stopped after 4 steps: tags phase1-step000002 and phase1-step000004 (keep_last_k 2)."""
     root = tmp_path_factory.mktemp("integrity_trained4")
-    return _train(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "4")
+    return train_fault_run(root, shards_128, shards_512, tokenizer_dir, "--max-steps", "4")
 
 
 @pytest.fixture(scope="module")
@@ -480,14 +481,6 @@ def other_shards_128(english_corpus, tokenizer_dir, tmp_path_factory) -> Path:
     create_shards([english_corpus], tokenizer_dir, out, seq_len=128, dupe_factor=1, seed=99, samples_per_shard=10_000,
                   progress=False)
     return out
-
-
-def _train(root: Path, s128: Path, s512: Path, tokenizer: Path, *extra: str) -> Path:
-    args = ["--recipe", str(fault_recipe(root / "recipe.json")), "--data", str(s128), str(s512), "--tokenizer",
-            str(tokenizer), "--output", str(root / "run"), *extra]
-    done = execute(Launch(rank_command(2, args)))
-    assert done.returncode == 0, done.text()[-4000:]
-    return root / "run"
 
 
 @pytest.mark.e2e

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from tests.helpers import HANG_GUARD_S, child_env
-from tests.helpers.ranks import REPO
+from tests.helpers.ranks import REPO, rank_command
 
 TINY_CPU = REPO / "ds_configs" / "tiny_cpu.json"
 REPORT_ENV = "BERT_DS_FAULT_REPORT"
@@ -64,6 +64,16 @@ def fault_recipe(path: Path, **changes) -> Path:
         node[leaf] = value
     path.write_text(json.dumps(recipe, indent=1))
     return path
+
+
+def train_fault_run(root: Path, s128: Path, s512: Path, tokenizer: Path, *extra: str) -> Path:
+    """``root/run``: :func:`fault_recipe` (as ``root/recipe.json``) trained on 2 DeepSpeed CPU ranks with ``extra``
+    flags, asserted to exit 0."""
+    args = ["--recipe", str(fault_recipe(root / "recipe.json")), "--data", str(s128), str(s512), "--tokenizer",
+            str(tokenizer), "--output", str(root / "run"), *extra]
+    done = execute(Launch(rank_command(2, args)))
+    assert done.returncode == 0, done.text()[-4000:]
+    return root / "run"
 
 
 def tool_cmd(script: str, args: list[str]) -> list[str]:
