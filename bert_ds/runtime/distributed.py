@@ -21,8 +21,8 @@ from bert_ds.deepspeed_internals import SHM_BUFFER_GLOB
 from bert_ds.errors import BadInput
 from bert_ds.runtime.caches import load_extensions, use_node_local_caches
 
-__all__ = ["check_master_addr", "free_port", "init_distributed", "launch_path", "leave_process_group",
-           "leave_process_group_at_exit", "release_shm_buffers", "seed_everything"]
+__all__ = ["LAUNCHER_INTEGERS", "check_launcher_env", "check_master_addr", "free_port", "init_distributed",
+           "launch_path", "leave_process_group", "leave_process_group_at_exit", "release_shm_buffers", "seed_everything"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,30 @@ def check_master_addr(env: Mapping[str, str]) -> None:
                        f"MASTER_ADDR as rank 0's hostname or IP address reachable from every node") from exc
 
 
+LAUNCHER_INTEGERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+"""The launcher variables torch.distributed reads as integers (``env://`` rendezvous)."""
+
+
+def check_launcher_env(env: Mapping[str, str]) -> None:
+    """Refuse a launcher variable that is not what a launcher sets (a hand-written export, a wrapper script's typo):
+    torch would otherwise fail deep inside the rendezvous with a ``ValueError`` that names no variable."""
+    values = {}
+    for var in LAUNCHER_INTEGERS:
+        if var in env:
+            try:
+                values[var] = int(env[var])
+            except ValueError:
+                raise BadInput(f"{var}={env[var]!r} is not an integer; a launcher (deepspeed, torchrun, srun, mpirun) "
+                               f"sets it, or unset it to run one process") from None
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if size in values and values[size] < 1:
+            raise BadInput(f"{size}={values[size]} must be at least 1")
+        if rank in values and size in values and not 0 <= values[rank] < values[size]:
+            raise BadInput(f"{rank}={values[rank]} is outside 0..{values[size] - 1} ({size}={values[size]})")
+    if "MASTER_PORT" in values and not 0 < values["MASTER_PORT"] < 65536:
+        raise BadInput(f"MASTER_PORT={values['MASTER_PORT']} is not a TCP port (1..65535)")
+
+
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     """Join the launcher's process group (or create a one-rank group); returns (rank, world size). ``timeout_s``
     (recipe ``deepspeed.process_group_timeout_s``) bounds how long a collective waits for a late rank; None keeps
@@ -117,6 +141,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
         port = _env_from_mpirun()
     elif path == "single":
         _env_single_process()
+    check_launcher_env(os.environ)
     accel = get_accelerator()
     cpu = accel.device_name() == "cpu"
     if cpu and "OMP_NUM_THREADS" not in os.environ:

@@ -5,12 +5,14 @@ the hostfile writer's own tests are tests/lifecycle/test_hostfile.py)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bert_ds.errors import BadInput
 from bert_ds.lifecycle.hostfile import slurm_master_port
 from bert_ds.runtime import distributed
 from tests.helpers import HANG_GUARD_S, LAUNCHER_VARS, child_env
@@ -73,6 +75,25 @@ def test_create_shards_script_needs_a_slurm_job():
     assert proc.returncode == 2 and "submit this with sbatch" in proc.stderr
 
 
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"RANK": "1 ", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not an integer"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is outside 0..1 (WORLD_SIZE=2)"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    ({"LOCAL_RANK": "-1", "LOCAL_WORLD_SIZE": "8"}, "LOCAL_RANK=-1 is outside 0..7 (LOCAL_WORLD_SIZE=8)"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+])
+def test_launcher_variables_that_are_not_a_launchers_are_refused_by_name(env, message):
+    with pytest.raises(BadInput, match=re.escape(message)):
+        distributed.check_launcher_env(env)
+
+
+def test_launcher_variables_as_launchers_set_them_pass():
+    distributed.check_launcher_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                    "MASTER_PORT": "29500"})
+    distributed.check_launcher_env({})  # one process: pretrain sets them itself
+
+
 @pytest.mark.e2e
 def test_unresolvable_master_addr_is_refused_at_once(tmp_path):
     """A rank told MASTER_ADDR=a host that does not resolve exits 2 naming it, instead of retrying the rendezvous for
@@ -89,3 +110,8 @@ def test_unresolvable_master_addr_is_refused_at_once(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "bert_ds.runtime.pretrain: error: MASTER_ADDR='gpu01.invalid' does not resolve" in proc.stderr
     assert not (tmp_path / "run").exists()
+    env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2x")  # the same start, one launcher variable garbled
+    proc = subprocess.run(proc.args, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "bert_ds.runtime.pretrain: error: WORLD_SIZE='2x' is not an integer" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
