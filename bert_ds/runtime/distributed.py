@@ -22,7 +22,8 @@ from bert_ds.errors import BadInput
 from bert_ds.runtime.caches import load_extensions, use_node_local_caches
 
 __all__ = ["LAUNCHER_INTEGERS", "check_launcher_env", "check_master_addr", "free_port", "init_distributed",
-           "launch_path", "leave_process_group", "leave_process_group_at_exit", "release_shm_buffers", "seed_everything"]
+           "launch_path", "leave_process_group", "leave_process_group_at_exit", "release_shm_buffers",
+           "seed_everything"]
 
 log = logging.getLogger(__name__)
 
