@@ -82,7 +82,7 @@ def test_bert_ds_evaluate_prints_each_source_in_its_json(tmp_path_factory):
         return json.loads(done.stdout)
 
     both = run(f"{out / 'wiki'},{out / 'books'}")
+    alone = {name: run(str(out / name)) for name in ("wiki", "books")}
     for name in ("wiki", "books"):
-        alone = run(str(out / name))
-        assert both["sources"][name] == {k: v for k, v in alone.items() if k not in ("checkpoint", "tag")}
-    assert both["samples"] == 14 + 15 and "sources" not in run(str(out / "wiki"))
+        assert both["sources"][name] == {k: v for k, v in alone[name].items() if k not in ("checkpoint", "tag")}
+    assert both["samples"] == 14 + 15 and "sources" not in alone["wiki"]
