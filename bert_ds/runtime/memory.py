@@ -17,10 +17,16 @@ three batch sizes and three layer counts and checks that the bytes are exactly a
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
+import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +37,10 @@ from bert_ds.recipe import Recipe
 
 __all__ = ["ActivationFit", "CARDS_GB", "DEFAULT_HEADROOM", "FP32_PARTITION", "GradAccumLayout", "Headroom",
            "MemoryEstimate", "SavedTensorCounter", "StaticState", "activation_fit", "check_fits", "check_recipe_memory",
-           "memory_per_gpu", "parameter_count", "phase_estimate", "recipe_grad_accum", "saved_activation_bytes",
-           "static_bytes_per_rank"]
+           "fits_kept_in", "memory_per_gpu", "parameter_count", "phase_estimate", "recipe_grad_accum",
+           "saved_activation_bytes", "static_bytes_per_rank"]
+
+log = logging.getLogger(__name__)
 
 GIB = 2**30
 CARDS_GB = (40, 80, 141)
@@ -194,11 +202,72 @@ def activation_fit(config: BertConfig, seq_len: int, predictions: int, dtype: st
     key = (tuple(sorted(dataclasses.asdict(config).items())), seq_len, predictions, dtype, kernels, nsp, device,
            tuple(layer_counts), tuple(batch_sizes))
     if key not in _FITS:  # preflight asks once per phase; the gpu-check and the table ask again in one process
-        _FITS[key] = _fit(config, seq_len, predictions, dtype, kernels, nsp, device, layer_counts, batch_sizes)
+        _FITS[key] = _read_fit(key, config.num_hidden_layers) or _write_fit(key, _fit(
+            config, seq_len, predictions, dtype, kernels, nsp, device, layer_counts, batch_sizes))
     return _FITS[key]
 
 
 _FITS: dict[tuple, ActivationFit] = {}
+_FIT_DIR: list[Path] = []
+_FIT_CODE = ("model", "kernels", "runtime/memory.py", "config.py")
+"""What a fit is a function of besides its arguments (and torch's version): the files under ``bert_ds/``."""
+
+
+@contextmanager
+def fits_kept_in(directory: str | Path) -> Iterator[None]:
+    """Inside the block, also keep fits as JSON files in ``directory``, keyed by their arguments, torch's version and
+    the bytes of the code they measure (:data:`_FIT_CODE`): a start of the same model and phase shapes reads its fit
+    instead of running 9 meta-device forwards per phase. Pre-flight keeps them in the user's cache."""
+    saved = list(_FIT_DIR)
+    _FIT_DIR[:] = [Path(directory)]
+    try:
+        yield
+    finally:
+        _FIT_DIR[:] = saved
+
+
+@functools.cache
+def _code_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(f for part in _FIT_CODE for f in ([root / part] if part.endswith(".py")
+                                                     else (root / part).rglob("*.py")))
+    digest = hashlib.sha256(torch.__version__.encode())
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
+
+
+def _fit_file(key: tuple) -> Path | None:
+    if not _FIT_DIR:
+        return None
+    return _FIT_DIR[0] / f"fit-{hashlib.sha256(repr((key, _code_digest())).encode()).hexdigest()[:40]}.json"
+
+
+def _read_fit(key: tuple, layers: int) -> ActivationFit | None:
+    """The kept fit of ``key``, or None (none kept, or a file that does not hold one: it is measured again)."""
+    path = _fit_file(key)
+    try:
+        data = json.loads(path.read_text()) if path is not None else None
+        fit = ActivationFit(per_sequence=int(data["per_sequence"]), fixed=int(data["fixed"]), layers=layers,
+                            measured={(int(n), int(b)): int(v) for n, b, v in data["measured"]})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return fit if data.get("key") == repr(key) else None
+
+
+def _write_fit(key: tuple, fit: ActivationFit) -> ActivationFit:
+    path = _fit_file(key)
+    if path is not None:
+        data = {"key": repr(key), "per_sequence": fit.per_sequence, "fixed": fit.fixed,
+                "measured": [[n, b, v] for (n, b), v in sorted(fit.measured.items())]}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)  # whole or absent: ranks of a node may write the same fit at once
+        except OSError as exc:  # a cache that cannot be written costs the next start the measurement, nothing else
+            log.debug("activation fit not kept in %s: %s", path.parent, exc)
+    return fit
 
 
 def _fit(config: BertConfig, seq_len: int, predictions: int, dtype: str, kernels: str, nsp: bool, device: str,

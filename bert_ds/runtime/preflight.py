@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,7 +31,7 @@ from bert_ds.lifecycle.hang_watchdog import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
 from bert_ds.runtime.caches import cache_dir_warnings
 
-__all__ = ["RunArgs", "RunPlan", "StartPoint", "check_step_timeout", "loader_for_phase", "plan_run"]
+__all__ = ["RunArgs", "RunPlan", "StartPoint", "check_step_timeout", "fit_cache_dir", "loader_for_phase", "plan_run"]
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,12 @@ def _model_config(args: RunArgs, recipe: Recipe, tokenizer) -> BertConfig:
     return hf_config
 
 
+def fit_cache_dir(env: Mapping[str, str]) -> Path:
+    """Where pre-flight keeps activation fits (:func:`bert_ds.runtime.memory.fits_kept_in`): the user's cache,
+    ``$XDG_CACHE_HOME/bert_ds/memory_fits`` (``~/.cache`` by default, as pip and torch hub do)."""
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bert_ds" / "memory_fits"
+
+
 def _state_memory(recipe: Recipe, phases: list[int], model_config: BertConfig, precision: str, world_size: int,
                   rank: int, device_type: str) -> None:
     """Log each phase's expected peak memory per GPU (rank 0); on CUDA, refuse (exit 2) a phase whose micro batch
@@ -251,7 +258,7 @@ def _state_memory(recipe: Recipe, phases: list[int], model_config: BertConfig, p
 
     import torch
 
-    from bert_ds.runtime.memory import check_recipe_memory
+    from bert_ds.runtime.memory import check_recipe_memory, fits_kept_in
 
     if device_type != "cuda" and rank != 0:
         return
@@ -259,7 +266,9 @@ def _state_memory(recipe: Recipe, phases: list[int], model_config: BertConfig, p
     if device_type == "cuda":
         index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         device_bytes = torch.cuda.get_device_properties(index).total_memory
-    for line in check_recipe_memory(recipe, phases, model_config, world_size, precision, device_bytes):
+    with fits_kept_in(fit_cache_dir(os.environ)):
+        lines = check_recipe_memory(recipe, phases, model_config, world_size, precision, device_bytes)
+    for line in lines:
         if rank == 0:
             log.info("expected memory: %s", line)
 

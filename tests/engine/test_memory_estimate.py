@@ -5,6 +5,7 @@ device cannot hold."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -266,3 +267,44 @@ def test_the_estimate_leaves_the_runs_fallback_warning_to_the_run():
         saved_activation_bytes(config, 1, 32, 5, "fp32")  # fp32 attention: the twin, as on CUDA
     assert [w for w in traced if issubclass(w.category, RuntimeWarning)] == []
     assert registry._warned == before
+
+
+# ---- fits kept between starts ---------------------------------------------------------------------------------------
+
+def test_a_kept_fit_is_read_back_and_a_code_change_or_a_bad_file_measures_again(tmp_path, monkeypatch):
+    tiny = model_preset("tiny", vocab_size=300)
+    monkeypatch.setattr(memory, "_FITS", {})
+    activation_fit(tiny, 32, 5, "fp32")
+    assert not list(tmp_path.iterdir())  # off unless asked: nothing kept
+    monkeypatch.setattr(memory, "_FITS", {})
+    with memory.fits_kept_in(tmp_path):
+        measured = activation_fit(tiny, 32, 5, "fp32")
+    (kept,) = tmp_path.glob("fit-*.json")
+
+    measures = []
+    real_fit = memory._fit
+    monkeypatch.setattr(memory, "_fit", lambda *a: measures.append(a) or real_fit(*a))
+
+    def fit(predictions: int = 5):
+        monkeypatch.setattr(memory, "_FITS", {})
+        with memory.fits_kept_in(tmp_path):
+            return activation_fit(tiny, 32, predictions, "fp32")
+
+    assert fit() == measured and measures == []  # read, not measured
+    fit(6)  # other arguments: another fit
+    assert len(measures) == 1 and len(list(tmp_path.glob("fit-*.json"))) == 2
+    kept.write_text('{"key": "something else", "per_sequence": 1, "fixed": 2, "measured": []}')
+    assert fit() == measured and len(measures) == 2  # not its key: measured again
+    assert fit() == measured and len(measures) == 2  # and kept again
+    kept.write_bytes(b"\x00 not JSON")
+    assert fit() == measured and len(measures) == 3 and json.loads(kept.read_text())["key"]
+    monkeypatch.setattr(memory, "_code_digest", lambda: "the model's code changed")
+    assert fit() == measured and len(measures) == 4
+    assert memory._FIT_DIR == []  # the block ended: this process keeps nothing more
+
+
+def test_pre_flight_keeps_fits_in_the_users_cache(tmp_path):
+    from bert_ds.runtime.preflight import fit_cache_dir
+
+    assert fit_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "bert_ds" / "memory_fits"
+    assert fit_cache_dir({}) == Path.home() / ".cache" / "bert_ds" / "memory_fits"
