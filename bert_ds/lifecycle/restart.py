@@ -362,21 +362,26 @@ class Restarts:
     def _between(self, wall_start: float, stopping: Callable[[], bool]) -> bool:
         """Release the failed attempt's resources, record the restart, wait the backoff; False when a signal to the
         supervisor came meanwhile."""
-        restart = len(self.attempts)
-        wait = backoff_s(restart, self.base_s)
-        deadline = time.monotonic() + wait
-        self._release()
-        resumed, saved_at = _resumable(self.run_dir)
-        lost = time.time() + max(0.0, deadline - time.monotonic()) - max(wall_start, saved_at or wall_start)
-        line = restart_line(self.prog, restart, self.max_restarts, self.attempts[-1], resumed, lost,
-                            max(0.0, deadline - time.monotonic()))
-        _say(line)
-        self.log.restart(restart, self.max_restarts, self.attempts[-1], resumed, lost, line)
+        deadline = time.monotonic() + backoff_s(len(self.attempts), self.base_s)
+        self.record_restart(wall_start, deadline)
         while time.monotonic() < deadline:
             if stopping():
                 return False
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return not stopping()
+
+    def record_restart(self, wall_start: float, deadline: float, restart: int | None = None) -> None:
+        """Release rank 0's resources, then one line and one record for restart ``restart`` (default: one per
+        attempt so far), after the last attempt (which started at ``wall_start``, epoch seconds; the next starts at
+        ``deadline``, monotonic)."""
+        self._release()
+        restart, failed = restart or len(self.attempts), self.attempts[-1]
+        resumed, saved_at = _resumable(self.run_dir)
+        wait = max(0.0, deadline - time.monotonic())
+        lost = time.time() + wait - max(wall_start, saved_at or wall_start)
+        line = restart_line(self.prog, restart, self.max_restarts, failed, resumed, lost, wait)
+        _say(line)
+        self.log.restart(restart, self.max_restarts, failed, resumed, lost, line)
 
     def _release(self) -> None:
         """Rank 0's port free and its all-reduce buffers gone (every process of the attempt is reaped by now)."""
@@ -393,3 +398,19 @@ class Restarts:
 def _say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def step_restart(argv: Sequence[str]) -> int:
+    """The Slurm scripts' restart of an ``srun`` step (``slurm/pretrain_common.sh``), between its steps, on the batch
+    host (rank 0's node): ``RUN_DIR MASTER_PORT RESTART MAX_RESTARTS CODE STARTED_EPOCH BACKOFF_BASE_S STEP``.
+    Releases rank 0's port and buffers, writes the restart's line (stderr) and records, and prints the seconds still
+    to wait (stdout); 0."""
+    run_dir, port, number, max_restarts, code, started, base_s, step = argv
+    loop = Restarts(f"bert_ds (srun step {step})", ["--output", run_dir, "--master_port", port], int(max_restarts),
+                    float(base_s))
+    loop.attempts = [Attempt(int(number), int(code), time.time() - float(started), "a rank of the step",
+                             socket.gethostname())]
+    deadline = time.monotonic() + backoff_s(int(number), loop.base_s)
+    loop.record_restart(float(started), deadline, int(number))
+    print(f"{max(0.0, deadline - time.monotonic()):.1f}")
+    return 0
