@@ -64,7 +64,7 @@ UNARMED_AFTER_S = 60.0
 """A rank that never arms (a script other than bert_ds's pre-training) gets the signal once this old."""
 LEFTOVER_GRACE_S = 120.0
 """After the runner exits, how long its remaining descendants (a rank still saving, loader workers) may take."""
-FAILED_GRACE_S = 10.0
+FAILED_GRACE_S = 5.0
 """When a restart follows: how long the ranks of a failed attempt may take to end by themselves (the launcher's own
 clean-up) before the supervisor SIGKILLs them -- a stopped rank ignores the launcher's SIGTERM for its 30 s."""
 POLL_S = 0.2

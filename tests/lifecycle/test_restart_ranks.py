@@ -155,7 +155,7 @@ def test_bad_recipe_is_not_restarted(data, tmp_path):
     fault_recipe(tmp_path / "recipe.json", **{"phases.0.steps": 4, "phases.0.lr": -1.0})
     out = execute(Launch(_supervised(2, args)))
     assert out.returncode == 2, (out.returncode, out.text()[-4000:])
-    assert "restart" not in out.text() and not _records(tmp_path / "run"), out.text()[-4000:]
+    assert not out.first_line(r"^bert-ds deepspeed: restart ") and not _records(tmp_path / "run"), out.text()[-4000:]
 
 
 def test_preemption_is_not_restarted(data, tmp_path):
@@ -165,7 +165,7 @@ def test_preemption_is_not_restarted(data, tmp_path):
 
     out = execute(Launch(_supervised(2, _args(tmp_path, data)), Trigger(r"^step 2 \|", term)))
     assert out.returncode == 75, (out.returncode, out.text()[-4000:])
-    assert "restart" not in out.text() and not _records(tmp_path / "run"), out.text()[-4000:]
+    assert not out.first_line(r"^bert-ds deepspeed: restart ") and not _records(tmp_path / "run"), out.text()[-4000:]
     assert not out.survivors, out.survivors
 
 
@@ -196,3 +196,56 @@ def test_two_nodes_restart_together_and_match(data, reference, tmp_path):
     assert len(restarts) == 2 and {r["restart"] for r in restarts} == {1}, restarts  # one per node
     assert any(r["attempt"]["code"] == 137 for r in restarts), restarts
     _equal(tmp_path / "run", reference)
+
+
+def _slurm_rank(run: Path, procid: str) -> psutil.Process | None:
+    """The ``srun`` task ``procid`` of the job training into ``run`` (its loader workers, which show the same command
+    line, are its children)."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            cmd = proc.cmdline()
+            if "bert_ds.runtime.pretrain" in cmd and str(run) in cmd and \
+                    proc.environ().get("SLURM_PROCID") == procid and "bert_ds.runtime.pretrain" not in \
+                    proc.parent().cmdline():
+                return proc
+    return None
+
+
+@pytest.mark.slurm
+def test_slurm_step_is_restarted_in_the_allocation_and_matches(data, reference, tmp_path):
+    """``sbatch slurm/pretrain_base.sh`` on the one-node Slurm; rank 1 SIGKILLed on "step 3": the script starts the
+    step again inside the same job (no requeue), the job completes, equal."""
+    import subprocess
+
+    from bert_ds.runtime.caches import extensions_root
+
+    args = _args(tmp_path, data)
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    env = child_env(RECIPE=args[1], DATA128=str(data[0]), DATA512=str(data[1]), TOKENIZER=str(data[2]),
+                    RUN_DIR=str(run), PYTHON=sys.executable, PHASE="1", MAX_RESTARTS="2", RESTART_BACKOFF="1",
+                    TORCH_EXTENSIONS_DIR=str(extensions_root()))
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=20",
+           f"--output={log}", f"--chdir={REPO}", str(REPO / "slurm" / "pretrain_base.sh")]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    deadline, killed = time.monotonic() + HANG_GUARD_S, None
+    try:
+        while time.monotonic() < deadline:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            if killed is None and re.search(r"^step 3 \|", text, re.M) and (rank := _slurm_rank(run, "1")):
+                rank.kill()
+                killed = rank.pid
+            if "ends for good" in text or "requeued" in text:
+                break
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True) if time.monotonic() >= deadline else None
+    time.sleep(1)
+    text = log.read_text(errors="replace")
+    assert killed is not None, text[-4000:]
+    assert (run / "slurm" / f"exit-{job}").read_text().strip() == "0", text[-6000:]
+    (record,) = [r for r in _records(run) if "restart" in r]
+    assert record["restart"] == 1 and restart.retryable(record["attempt"]["code"]), record
+    assert record["resumed"] == "phase1-step000002", record
+    assert re.search(r"^bert_ds: 2 attempt\(s\) in this allocation \(MAX_RESTARTS=2\): attempt 1: exit \d+ after",
+                     text, re.M), text[-4000:]
+    _equal(run, reference)
