@@ -8,8 +8,9 @@ OOM killer), a rank that failed with exit 1 (a loader worker died, a collective 
 stall (124, :mod:`bert_ds.lifecycle.hang_watchdog`): each leaves the newest sealed checkpoint intact, and ``--resume
 auto`` continues from it bit for bit. What never restarts: bad input (2) and a non-finite loss (3), which a restart
 would only repeat; a full disk or an I/O error (74), which needs a person; a pre-emption (75) or a signal to the
-supervisor itself, because the job is being stopped. The same rule as torchrun's ``--max-restarts`` (its elastic agent
-restarts the worker group on any failure) narrowed to the failures a restart can cure.
+supervisor itself, because the job is being stopped. torchrun's ``--max-restarts``
+(``torch/distributed/elastic/agent/server/api.py``: the agent restarts the worker group after any failure) restarts
+them all; here only the failures a restart can cure are.
 
 How. Attempt k + 1 starts only once every resource of attempt k is released: every process of its tree reaped (the
 launcher's session killed), rank 0's ``MASTER_PORT`` free again (:func:`wait_port_free`: a leftover rank holding it
@@ -337,7 +338,7 @@ class Restarts:
         while True:
             started, wall = time.monotonic(), time.time()
             ended = attempt(args, len(self.attempts) < self.max_restarts)
-            failing = ended.failing
+            failing = ended.failing if ended.code != ExitCode.OK else ""
             if ended.code == ExitCode.STALLED:
                 failing = stalled_ranks_named(self.run_dir) or failing
             self.attempts.append(Attempt(len(self.attempts) + 1, ended.code, time.monotonic() - started, failing,

@@ -22,6 +22,11 @@ What the supervisor does (Linux):
   exited by itself (the first failing rank's); when it was killed, the ranks' own: a failure any rank reported (1,
   2, 3, 124), else 75 (a rank exits 75 only after the collective save completed).
 
+Restarts (:mod:`bert_ds.lifecycle.restart`): after a retryable failure (a rank killed by signal N, which the command
+reports as 128 + N, naming the signal; exit 1; a stall, 124) the supervisor ends what is left of the attempt, frees
+rank 0's port and buffers and starts the launcher again with ``--resume auto``, at most ``--max-restarts`` times
+(default 3), logging each restart to ``RUN_DIR/restarts.jsonl`` and TensorBoard; docs/cluster.md.
+
 Multi-node through ``pdsh`` (``--hostfile`` without ``--no_ssh``): ranks on other nodes are not the supervisor's
 descendants; a signal is then passed to the runner, whose own handler (``runner.py`` ``sigkill_handler``) ends every
 node's ranks without a checkpoint. Per-node launches (``--no_ssh --node_rank``, one supervisor per node) are covered.
@@ -130,7 +135,8 @@ class Launcher:
     command: tuple[str, ...]
     """The launcher's command, before the user's arguments."""
     rank_parents: tuple[str, ...]
-    """A process is a local rank when its parent's command line contains one of these."""
+    """A process is a local rank when its parent's command line has one of these as an argument (``-m
+    deepspeed.launcher.launch``) or as its program's name (``mpirun``, ``orted``)."""
     via_runner: bool
     """True: a signal becomes one SIGUSR1 to the launcher, which passes it to every rank (``mpirun``). False: SIGTERM
     to each local rank, never to the launcher (DeepSpeed's runner and ``launch.py`` would end the ranks)."""
@@ -156,7 +162,6 @@ class _Supervisor:
         self.launcher = launcher
         self.restart_follows = restart_follows
         """A retryable failure will be restarted: end the failed attempt within ``FAILED_GRACE_S``."""
-        self.run_dir = restart.run_dir_of(argv)
         self.seen: dict[int, str] = {}
         """Every local rank seen alive, by pid: how :meth:`failing` names it."""
         self.gone: list[tuple[float, int]] = []
@@ -190,7 +195,11 @@ class _Supervisor:
                 parent = proc.parent()
                 if parent is None or parent.pid == os.getpid():
                     continue
-                if any(p in " ".join(parent.cmdline()) for p in self.launcher.rank_parents):
+                cmd = parent.cmdline()
+                # one argument, or the program's name: a path that merely contains "mpirun" (a run directory
+                # named so) must not make a rank's loader workers ranks
+                if cmd and (os.path.basename(cmd[0]) in self.launcher.rank_parents or
+                            any(p in cmd for p in self.launcher.rank_parents)):
                     ranks.append(proc)
             except self.psutil.Error:
                 continue
@@ -298,9 +307,10 @@ class _Supervisor:
             env = proc.environ()
         except self.psutil.Error:
             env = {}
-        local = env.get("LOCAL_RANK") or next((a.split("=", 1)[1] for a in proc.cmdline()
-                                               if a.startswith("--local_rank=")), "?")
-        return f"rank {env.get('RANK', local)} (host {socket.gethostname()}, local rank {local}, pid {proc.pid})"
+        local = env.get("LOCAL_RANK") or env.get("OMPI_COMM_WORLD_LOCAL_RANK") or next(
+            (a.split("=", 1)[1] for a in proc.cmdline() if a.startswith("--local_rank=")), "?")
+        rank = env.get("RANK") or env.get("OMPI_COMM_WORLD_RANK") or local
+        return f"rank {rank} (host {socket.gethostname()}, local rank {local}, pid {proc.pid})"
 
     def _watch_ranks(self) -> None:
         """Note new ranks and the ones gone; once a rank is gone without reporting success or a pre-emption (killed,

@@ -105,7 +105,7 @@ def _stop_rank1_in_step(launcher: psutil.Process) -> str:
 
 
 def test_sigstop_stall_is_restarted_and_matches(data, reference, tmp_path):
-    cmd = _supervised(1, _args(tmp_path, data, "--step-timeout", "8"))
+    cmd = _supervised(1, _args(tmp_path, data, "--step-timeout", "5"))
     out = execute(Launch(cmd, Trigger(r"^step 3 \|", _stop_rank1_in_step)))
     text = out.text()
     assert out.fault is not None and out.returncode == 0, (out.returncode, text[-5000:])
@@ -227,16 +227,17 @@ def test_slurm_step_is_restarted_in_the_allocation_and_matches(data, reference, 
     cmd = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=20",
            f"--output={log}", f"--chdir={REPO}", str(REPO / "slurm" / "pretrain_base.sh")]
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True).stdout.strip()
-    deadline, killed = time.monotonic() + HANG_GUARD_S, None
+    deadline, killed, rank = time.monotonic() + HANG_GUARD_S, None, None
     try:
         while time.monotonic() < deadline:
             text = log.read_text(errors="replace") if log.exists() else ""
-            if killed is None and re.search(r"^step 3 \|", text, re.M) and (rank := _slurm_rank(run, "1")):
-                rank.kill()
+            rank = rank or (_slurm_rank(run, "1") if "progress watchdog" in text else None)  # found before step 3
+            if killed is None and rank is not None and re.search(r"^step 3 \|", text, re.M):
+                rank.kill()  # at once: steps 3 and 4 and the last save take a second
                 killed = rank.pid
             if "ends for good" in text or "requeued" in text:
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         subprocess.run(["scancel", job], capture_output=True) if time.monotonic() >= deadline else None
     time.sleep(1)
