@@ -1,7 +1,7 @@
 """Bounded restarts inside the allocation (issue 34): which failures a supervisor restarts, how long it waits, what it
 releases first and how it records each restart. Used by both supervisors (:mod:`bert_ds.lifecycle.supervise`:
 ``bert-ds deepspeed`` and ``bert-ds mpirun``); the Slurm scripts apply the same rule to ``srun``
-(``slurm/pretrain_common.sh``, ``RESTART_EXITS``).
+(``slurm/pretrain_common.sh``: ``restartable``, ``MAX_RESTARTS``, :func:`step_restart`).
 
 What restarts. A rank killed by a signal (``128 + N``, :func:`bert_ds.exit_codes.signal_exit_code`: a flaky node, the
 OOM killer), a rank that failed with exit 1 (a loader worker died, a collective failed because a peer vanished) and a
@@ -12,8 +12,8 @@ supervisor itself, because the job is being stopped. torchrun's ``--max-restarts
 (``torch/distributed/elastic/agent/server/api.py``: the agent restarts the worker group after any failure) restarts
 them all; here only the failures a restart can cure are.
 
-How. Attempt k + 1 starts only once every resource of attempt k is released: every process of its tree reaped (the
-launcher's session killed), rank 0's ``MASTER_PORT`` free again (:func:`wait_port_free`: a leftover rank holding it
+How. Attempt k + 1 starts only once every resource of attempt k is released: every process of its tree reaped (what
+is left SIGKILLed), rank 0's ``MASTER_PORT`` free again (:func:`wait_port_free`: a leftover rank holding it
 would make the next start refuse with "MASTER_PORT ... is already in use"), DeepSpeed's CPU all-reduce buffers of that
 port unlinked (:func:`release_shm_buffers`: a stale buffer of a dead rank would be opened as if it were the new rank's,
 ``deepspeed/ops/csrc/cpu/comm/shm.cpp`` ``shm_initialize``); the run lock and the extension build lock are ``flock``
@@ -45,9 +45,9 @@ from bert_ds.exit_codes import ExitCode, signal_name, signal_of
 
 __all__ = ["BACKOFF_CAP_S", "DEFAULT_BACKOFF_S", "DEFAULT_MAX_RESTARTS", "LOG_NAME", "NEVER_RESTARTED",
            "OWN_OPTIONS", "PORT_WAIT_S", "Attempt", "Ended", "RestartLog", "Restarts", "backoff_s", "describe_code",
-           "mapped_shm_paths", "master_port", "node_rank", "release_shm_buffers", "restart_line", "resume_args",
-           "retryable", "run_dir_of", "split_own_options", "stalled_ranks_named", "summary_line", "wait_port_free",
-           "why_not_restarted"]
+           "mapped_shm_paths", "master_port", "node_rank", "port_free", "release_shm_buffers", "restart_line",
+           "resume_args", "retryable", "run_dir_of", "split_own_options", "stalled_ranks_named", "step_restart",
+           "summary_line", "wait_port_free", "why_not_restarted"]
 
 log = logging.getLogger(__name__)
 

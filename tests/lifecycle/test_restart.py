@@ -164,3 +164,37 @@ def test_a_signal_between_attempts_stops_the_restarts(tmp_path):
     seen: list = []
     loop = restart.Restarts("bert-ds deepspeed", [*ARGV, str(tmp_path)], 3, 0.5, hosts_rank0=False)
     assert loop.run(_attempts([137, 0], seen), stopping=lambda: True) == 137 and len(seen) == 1
+
+
+HOLD_PORT = """
+import socket, sys, time
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_the_next_attempt_starts_only_once_the_port_is_free(tmp_path):
+    """A leftover process of the failed attempt still listens on MASTER_PORT for 2 s (the "MASTER_PORT ... is already
+    in use" of a start too early): the restart waits until the port binds."""
+    from tests.helpers import free_port
+
+    port = free_port()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_PORT, str(port), "2"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "listening"
+    free_at_start: list[bool] = []
+
+    def attempt(args: list[str], restart_follows: bool) -> restart.Ended:
+        free_at_start.append(restart.port_free(port))
+        return restart.Ended(ExitCode.FAILED if len(free_at_start) == 1 else ExitCode.OK, False)
+
+    try:
+        loop = restart.Restarts("bert-ds deepspeed", ["--master_port", str(port), "x.py", "--output", str(tmp_path)],
+                                1, 0.0, hosts_rank0=True)
+        assert loop.run(attempt) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert free_at_start == [False, True]
