@@ -25,7 +25,9 @@ from tests.helpers import HANG_GUARD_S
     ({}, -15, True, 75),  # every process TERMed during start-up, before any rank armed: nothing written, resubmit
     ({11: 2, 12: 75}, -15, True, 2),  # a failure a rank reported wins over a pre-emption
     ({11: 124, 12: 124}, 124, False, 124),
-    ({11: 2}, 247, False, 247),  # rank 12 SIGKILLed: launch.py passes on its -9 (247); rank 11's later error is moot
+    # rank 12 SIGKILLed: launch.py passes on its -9 (247, which the supervisor then reports as 137,
+    # exit_codes.from_negated_signal); rank 11's later error is moot
+    ({11: 2}, 247, False, 247),
     ({}, -9, False, 137),  # the runner itself SIGKILLed, no rank reported
     ({11: 0, 12: 0}, -15, False, 143),
 ])
