@@ -1,27 +1,26 @@
-# Body shared by slurm/pretrain_base.sh and slurm/pretrain_large.sh (sourced by them, never submitted): checks that
-# the allocation has one task per rank, starts the ranks with srun, passes the pre-emption signal on and requeues.
-# The caller sets RECIPE and RUN_DIR; every size comes from the allocation (sbatch --nodes, --ntasks-per-node,
+# Body shared by slurm/pretrain_base.sh and slurm/pretrain_large.sh (sourced by them, never submitted): checks that the
+# allocation has one task per rank, starts the ranks with srun, passes the pre-emption signal on and requeues. The
+# caller sets RECIPE and RUN_DIR; every size comes from the allocation (sbatch --nodes, --ntasks-per-node,
 # --gpus-per-node), never from this file.
 #
-# Pre-emption: USR1 (`--signal=B:USR1@300`, to this shell) or TERM (what Slurm sends at the time limit or on
-# pre-emption where no --signal is set, and what submitit-style clusters send alone) reaches every rank; the ranks
-# checkpoint at the next step boundary and exit 75. The lead time (300 s) must cover the step in flight plus the save,
-# whose duration every save logs ("checkpoint save took S s"); TERM alone leaves KillWait (30 s by default) for both:
-# docs/cluster.md. In-allocation restarts come first: a step that ends with a code a restart from the newest
-# checkpoint cures (1 a rank crashed, 124 a rank stalled, 128 + N a rank killed by signal N) is started again inside
-# this allocation, at most MAX_RESTARTS times (the rule of bert-ds deepspeed --max-restarts, bert_ds/lifecycle/restart.py;
-# each restart one line and one record in $RUN_DIR/restarts.jsonl). What is left then
-# (75 pre-empted, 124 a rank still stalling) requeues the job with
-# `scontrol requeue`, at most MAX_REQUEUES times (Slurm's SLURM_RESTART_COUNT counts them): each requeue brings a
-# fresh --time, so without a cap a job could run for ever. Where scontrol does not exist (inside pyxis/enroot
+# Pre-emption: USR1 (`--signal=B:USR1@300`, to this shell) or TERM (what Slurm sends at the time limit or on pre-emption
+# where no --signal is set, and what submitit-style clusters send alone) reaches every rank; the ranks checkpoint at the
+# next step boundary and exit 75. The lead time (300 s) must cover the step in flight plus the save, whose duration
+# every save logs ("checkpoint save took S s"); TERM alone leaves KillWait (30 s by default) for both: docs/cluster.md.
+# In-allocation restarts come first: a step that ends with a code a restart from the newest checkpoint cures (1 a rank
+# crashed, 124 a rank stalled, 128 + N a rank killed by signal N) is started again inside this allocation, at most
+# MAX_RESTARTS times (the rule of bert-ds deepspeed --max-restarts, bert_ds/lifecycle/restart.py; each restart one line
+# and one record in $RUN_DIR/restarts.jsonl). What is left then (75 pre-empted, 124 a rank still stalling) requeues the
+# job with `scontrol requeue`, at most MAX_REQUEUES times (Slurm's SLURM_RESTART_COUNT counts them): each requeue brings
+# a fresh --time, so without a cap a job could run for ever. Where scontrol does not exist (inside pyxis/enroot
 # containers, pyxis#129) or the requeue fails, submit the job with slurm/submit_chain.sh instead: it queues follow-up
 # jobs that start only when the previous one did not end well (`--dependency=afternotok`) and resume from the newest
-# checkpoint. More settings (defaults in brackets): MAX_RESTARTS [3] (0: none), RESTART_BACKOFF [5] (seconds before
-# the first restart, doubled for each further one, at most 60), MAX_REQUEUES [10], SCONTROL [scontrol] (the requeue command; a
-# missing one is detected), REQUEUE [scontrol] (`none`: exit and leave the restart to follow-up jobs;
+# checkpoint. More settings (defaults in brackets): MAX_RESTARTS [3] (0: none), RESTART_BACKOFF [5] (seconds before the
+# first restart, doubled for each further one, at most 60), MAX_REQUEUES [10], SCONTROL [scontrol] (the requeue command;
+# a missing one is detected), REQUEUE [scontrol] (`none`: exit and leave the restart to follow-up jobs;
 # slurm/submit_chain.sh sets it), TRITON_CACHE_DIR and TORCH_EXTENSIONS_DIR
-# [${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/{triton,torch_extensions}: node-local, per job; that directory is removed
-# when the job ends for good, kept when it requeues itself].
+# [${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/{triton,torch_extensions}: node-local, per job; that directory is removed when
+# the job ends for good, kept when it requeues itself].
 set -uo pipefail
 
 DATA128=${DATA128:-data/shards128}
@@ -41,7 +40,9 @@ EXIT_STALLED=124   # ExitCode.STALLED: a rank made no progress for --step-timeou
 RETRYABLE_EXITS="$EXIT_PREEMPTED $EXIT_STALLED"
 # The step codes restarted inside the allocation (bert_ds.lifecycle.restart.retryable): never 2, 3, 74 or 75.
 EXIT_FAILED=1      # ExitCode.FAILED: a rank crashed (a loader worker died, a collective failed: a peer vanished)
-restartable() { [ "$1" -eq "$EXIT_FAILED" ] || [ "$1" -eq "$EXIT_STALLED" ] || { [ "$1" -gt 128 ] && [ "$1" -le 192 ]; }; }
+restartable() {  # 128 + N: a rank killed by signal N (bert_ds/exit_codes.py)
+  [ "$1" -eq "$EXIT_FAILED" ] || [ "$1" -eq "$EXIT_STALLED" ] || { [ "$1" -gt 128 ] && [ "$1" -le 192 ]; }
+}
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
   echo "bert_ds: submit this with sbatch (it reads its sizes from the Slurm allocation)" >&2
@@ -149,8 +150,8 @@ run_step() {
 # long to wait still (the backoff). Should Python fail here, the backoff alone.
 between_steps() {
   local wait_s
-  # shellcheck disable=SC2016  # the Python program, not a shell expansion
-  if ! wait_s=$("$PYTHON" -c 'import sys; from bert_ds.lifecycle.restart import step_restart; step_restart(sys.argv[1:])' \
+  local program='import sys; from bert_ds.lifecycle.restart import step_restart; step_restart(sys.argv[1:])'
+  if ! wait_s=$("$PYTHON" -c "$program" \
       "$RUN_DIR" "$MASTER_PORT" "$attempt" "$MAX_RESTARTS" "$rc" "$started" "$RESTART_BACKOFF" "$SLURM_JOB_ID"); then
     wait_s=$(( RESTART_BACKOFF << (attempt - 1) )); [ "$wait_s" -gt 60 ] && wait_s=60
     echo "bert_ds: restart $attempt of $MAX_RESTARTS: the step exited $rc; resuming from the newest checkpoint in" \
