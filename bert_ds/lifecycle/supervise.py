@@ -57,7 +57,7 @@ from pathlib import Path
 
 from bert_ds.cli import alias
 from bert_ds.deepspeed_internals import LAUNCH_MODULE, RUNNER_MODULE
-from bert_ds.exit_codes import ExitCode, from_negated_signal, signal_name
+from bert_ds.exit_codes import ExitCode, from_negated_signal, signal_name, signal_of
 from bert_ds.lifecycle import restart
 
 __all__ = ["DEEPSPEED", "DIR_ENV", "MPIRUN", "Launcher", "arm", "exit_code_of", "main", "report_exit", "supervise"]
@@ -108,11 +108,15 @@ def exit_code_of(reports: dict[int, int], runner: int, preempted: bool, runner_k
     kills on the way can make its own status 1 (measured, 1 run in 3). A launcher killed by a signal knows nothing
     either. Then a failure a rank reported wins, else 75 if a rank reported it or the supervisor was signalled (killed
     before they could report: every save is atomic, so ``--resume auto`` goes on from the last complete checkpoint),
-    else the launcher's own code (128 + N when killed)."""
+    else the launcher's own code (128 + N when killed). One exception: ``mpirun`` exiting 128 + N by itself, not
+    pre-empted, says its first failure was a rank killed by signal N (it exits with the first failing rank's status);
+    the failures its peers reported came after, from their collectives (a dead peer: exit 1), so 128 + N stands."""
     if runner >= 0 and runner_knows:
         return runner
     codes = [reports[pid] for pid in sorted(reports)]
     failures = [c for c in codes if c not in (ExitCode.OK, ExitCode.PREEMPTED)]
+    if failures and signal_of(runner) is not None and not preempted:
+        return runner
     if failures:
         return failures[0]
     if ExitCode.PREEMPTED in codes or preempted:

@@ -41,6 +41,7 @@ def test_the_job_exit_code(reports, runner, signalled, want):
     ({11: 75, 12: 75}, 75, True, 75),
     ({11: 2, 12: 2}, 2, False, 2),
     ({11: 1}, 1, False, 1),  # a loader worker died on rank 11
+    ({11: 1}, 137, False, 137),  # rank 12 SIGKILLed first (mpirun's own 137); rank 11's 1 came from the dead peer
     ({}, 137, False, 137),  # a rank SIGKILLed before reporting: mpirun's own code
     ({}, -15, True, 75),  # mpirun TERMed (not through the supervisor) during start-up
     ({11: 75, 12: 75}, 1, False, 75),  # TERM to mpirun alone: Open MPI TERMed the ranks, they saved; mpirun exits 1
