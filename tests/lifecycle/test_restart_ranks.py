@@ -12,6 +12,7 @@ import contextlib
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,8 +120,6 @@ def test_sigstop_stall_is_restarted_and_matches(data, reference, tmp_path):
 def _kill_every_attempt(cmd: list[str], log: Path) -> tuple[int, list[int]]:
     """Run ``cmd``; SIGKILL every rank process as soon as it appears (each attempt fails before its first step).
     Returns the exit code and the pids killed."""
-    import subprocess
-
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
     root, killed = psutil.Process(proc.pid), []
     deadline = time.monotonic() + HANG_GUARD_S
@@ -172,8 +171,6 @@ def test_preemption_is_not_restarted(data, tmp_path):
 def test_two_nodes_restart_together_and_match(data, reference, tmp_path):
     """Two ``--no_ssh --node_rank`` supervisors (one rank each) on this machine; node 1's rank is killed: node 0's
     rank fails in its next collective (exit 1), each supervisor restarts its node and they meet on the same port."""
-    import subprocess
-
     hostfile = write_hostfile(tmp_path / "hostfile", hosts_from_list("node0:1,node1:1"))
     port, args = str(free_port()), _args(tmp_path, data)
     cmds = [_supervised(2, args, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
@@ -215,8 +212,6 @@ def _slurm_rank(run: Path, procid: str) -> psutil.Process | None:
 def test_slurm_step_is_restarted_in_the_allocation_and_matches(data, reference, tmp_path):
     """``sbatch slurm/pretrain_base.sh`` on the one-node Slurm; rank 1 SIGKILLed on "step 3": the script starts the
     step again inside the same job (no requeue), the job completes, equal."""
-    import subprocess
-
     from bert_ds.runtime.caches import extensions_root
 
     args = _args(tmp_path, data)
