@@ -2,13 +2,21 @@
 
 The README's table and ``slurm/pretrain_common.sh`` (which requeues on :attr:`ExitCode.PREEMPTED`) state the same
 numbers; ``tests/test_exit_codes.py`` checks both against this module.
+
+A process killed by a signal has no code of its own: the supervisors (``bert-ds deepspeed``, ``bert-ds mpirun``) and
+``slurm/pretrain_common.sh`` report a rank or launcher killed by signal N as ``128 + N`` (:func:`signal_exit_code`),
+as POSIX shells do: 137 for SIGKILL, 134 for SIGABRT, 139 for SIGSEGV, naming the signal in their line. DeepSpeed's
+``launch.py`` passes a killed rank's status on as ``sys.exit(-N)``, the byte ``256 - N`` (247 for SIGKILL): the
+supervisor turns that into ``128 + N`` too (:func:`from_negated_signal`).
 """
 
 from __future__ import annotations
 
+import signal
 from enum import IntEnum
 
-__all__ = ["ExitCode"]
+__all__ = ["SIGNAL_BASE", "ExitCode", "from_negated_signal", "signal_exit_code", "signal_name",
+           "signal_of"]
 
 
 class ExitCode(IntEnum):
@@ -33,3 +41,35 @@ class ExitCode(IntEnum):
     PREEMPTED = 75
     """SIGTERM/SIGUSR1: checkpointed at the next step boundary; resubmit with ``--resume auto`` (``EX_TEMPFAIL`` of
     sysexits.h, "try again later", what a requeue wrapper checks for)."""
+
+
+SIGNAL_BASE = 128
+"""A death by signal N exits ``SIGNAL_BASE + N`` (POSIX shells' ``$?`` after a killed command)."""
+_MAX_SIGNAL = 64  # Linux's highest real-time signal (SIGRTMAX)
+
+
+def signal_exit_code(signum: int) -> int:
+    """The code of a process killed by ``signum``: 128 + N (137 for SIGKILL)."""
+    return SIGNAL_BASE + int(signum)
+
+
+def signal_of(code: int) -> int | None:
+    """The signal a code of :func:`signal_exit_code` stands for (129..192), else None."""
+    return code - SIGNAL_BASE if SIGNAL_BASE < code <= SIGNAL_BASE + _MAX_SIGNAL else None
+
+
+def from_negated_signal(code: int) -> int:
+    """``sys.exit(-N)`` of a launcher that passes on a killed child's status (DeepSpeed's ``launch.py``) exits with
+    the byte ``256 - N``: that as ``128 + N``; any other code unchanged. No bert_ds rank exits above 128 itself."""
+    return signal_exit_code(256 - code) if 256 - _MAX_SIGNAL <= code <= 255 else code
+
+
+def signal_name(code: int) -> str | None:
+    """``SIGKILL`` for 137, None for a code that is no signal's."""
+    signum = signal_of(code)
+    if signum is None:
+        return None
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

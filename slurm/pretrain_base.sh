@@ -11,8 +11,9 @@
 # RECIPE [ds_configs/bert_base.json], DATA128 [data/shards128], DATA512 [data/shards512], TOKENIZER [data/tokenizer],
 # RUN_DIR [runs/bert_base], PYTHON [python], PHASE [all], MASTER_PORT [20000 + job id mod 9000],
 # OMP_NUM_THREADS [--cpus-per-task], EXTRA_ARGS [] (e.g. "--eval-data data/eval512 --max-steps 100").
-# MAX_REQUEUES [10]. Pre-emption and restarts (USR1 or TERM; scontrol requeue, at most MAX_REQUEUES times, or follow-up
-# jobs where scontrol is missing, e.g. in pyxis/enroot containers: slurm/submit_chain.sh): see slurm/pretrain_common.sh.
+# MAX_RESTARTS [3], RESTART_BACKOFF [5], MAX_REQUEUES [10]. Restarts in the allocation, pre-emption and requeues
+# (USR1 or TERM; scontrol requeue, at most MAX_REQUEUES times, or follow-up jobs where scontrol is missing, e.g. in
+# pyxis/enroot containers: slurm/submit_chain.sh): see slurm/pretrain_common.sh.
 # --signal=B:USR1@N: USR1 N seconds before the time limit; N must exceed one step plus the checkpoint save (every save
 # logs "checkpoint save took S s"): docs/cluster.md.
 #SBATCH --job-name=bert_ds-base

@@ -1,22 +1,26 @@
-# Body shared by slurm/pretrain_base.sh and slurm/pretrain_large.sh (sourced by them, never submitted): checks that
-# the allocation has one task per rank, starts the ranks with srun, passes the pre-emption signal on and requeues.
-# The caller sets RECIPE and RUN_DIR; every size comes from the allocation (sbatch --nodes, --ntasks-per-node,
+# Body shared by slurm/pretrain_base.sh and slurm/pretrain_large.sh (sourced by them, never submitted): checks that the
+# allocation has one task per rank, starts the ranks with srun, passes the pre-emption signal on and requeues. The
+# caller sets RECIPE and RUN_DIR; every size comes from the allocation (sbatch --nodes, --ntasks-per-node,
 # --gpus-per-node), never from this file.
 #
-# Pre-emption: USR1 (`--signal=B:USR1@300`, to this shell) or TERM (what Slurm sends at the time limit or on
-# pre-emption where no --signal is set, and what submitit-style clusters send alone) reaches every rank; the ranks
-# checkpoint at the next step boundary and exit 75. The lead time (300 s) must cover the step in flight plus the save,
-# whose duration every save logs ("checkpoint save took S s"); TERM alone leaves KillWait (30 s by default) for both:
-# docs/cluster.md. On a retryable exit (75 pre-empted, 124 a rank stalled) the job requeues itself with
-# `scontrol requeue`, at most MAX_REQUEUES times (Slurm's SLURM_RESTART_COUNT counts them): each requeue brings a
-# fresh --time, so without a cap a job could run for ever. Where scontrol does not exist (inside pyxis/enroot
+# Pre-emption: USR1 (`--signal=B:USR1@300`, to this shell) or TERM (what Slurm sends at the time limit or on pre-emption
+# where no --signal is set, and what submitit-style clusters send alone) reaches every rank; the ranks checkpoint at the
+# next step boundary and exit 75. The lead time (300 s) must cover the step in flight plus the save, whose duration
+# every save logs ("checkpoint save took S s"); TERM alone leaves KillWait (30 s by default) for both: docs/cluster.md.
+# In-allocation restarts come first: a step that ends with a code a restart from the newest checkpoint cures (1 a rank
+# crashed, 124 a rank stalled, 128 + N a rank killed by signal N) is started again inside this allocation, at most
+# MAX_RESTARTS times (the rule of bert-ds deepspeed --max-restarts, bert_ds/lifecycle/restart.py; each restart one line
+# and one record in $RUN_DIR/restarts.jsonl). What is left then (75 pre-empted, 124 a rank still stalling) requeues the
+# job with `scontrol requeue`, at most MAX_REQUEUES times (Slurm's SLURM_RESTART_COUNT counts them): each requeue brings
+# a fresh --time, so without a cap a job could run for ever. Where scontrol does not exist (inside pyxis/enroot
 # containers, pyxis#129) or the requeue fails, submit the job with slurm/submit_chain.sh instead: it queues follow-up
 # jobs that start only when the previous one did not end well (`--dependency=afternotok`) and resume from the newest
-# checkpoint. More settings (defaults in brackets): MAX_REQUEUES [10], SCONTROL [scontrol] (the requeue command; a
-# missing one is detected), REQUEUE [scontrol] (`none`: exit and leave the restart to follow-up jobs;
+# checkpoint. More settings (defaults in brackets): MAX_RESTARTS [3] (0: none), RESTART_BACKOFF [5] (seconds before the
+# first restart, doubled for each further one, at most 60), MAX_REQUEUES [10], SCONTROL [scontrol] (the requeue command;
+# a missing one is detected), REQUEUE [scontrol] (`none`: exit and leave the restart to follow-up jobs;
 # slurm/submit_chain.sh sets it), TRITON_CACHE_DIR and TORCH_EXTENSIONS_DIR
-# [${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/{triton,torch_extensions}: node-local, per job; that directory is removed
-# when the job ends for good, kept when it requeues itself].
+# [${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID/{triton,torch_extensions}: node-local, per job; that directory is removed when
+# the job ends for good, kept when it requeues itself].
 set -uo pipefail
 
 DATA128=${DATA128:-data/shards128}
@@ -28,10 +32,17 @@ EXTRA_ARGS=${EXTRA_ARGS:-}
 SCONTROL=${SCONTROL:-scontrol}
 REQUEUE=${REQUEUE:-scontrol}
 MAX_REQUEUES=${MAX_REQUEUES:-10}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+RESTART_BACKOFF=${RESTART_BACKOFF:-5}
 # The exit codes a restart can cure (bert_ds/exit_codes.py; tests/test_exit_codes.py checks them against it):
 EXIT_PREEMPTED=75  # ExitCode.PREEMPTED: checkpointed after USR1/TERM
 EXIT_STALLED=124   # ExitCode.STALLED: a rank made no progress for --step-timeout seconds; the newest checkpoint stands
 RETRYABLE_EXITS="$EXIT_PREEMPTED $EXIT_STALLED"
+# The step codes restarted inside the allocation (bert_ds.lifecycle.restart.retryable): never 2, 3, 74 or 75.
+EXIT_FAILED=1      # ExitCode.FAILED: a rank crashed (a loader worker died, a collective failed: a peer vanished)
+restartable() {  # 128 + N: a rank killed by signal N (bert_ds/exit_codes.py)
+  [ "$1" -eq "$EXIT_FAILED" ] || [ "$1" -eq "$EXIT_STALLED" ] || { [ "$1" -gt 128 ] && [ "$1" -le 192 ]; }
+}
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
   echo "bert_ds: submit this with sbatch (it reads its sizes from the Slurm allocation)" >&2
@@ -39,6 +50,11 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
 fi
 if ! [[ "$MAX_REQUEUES" =~ ^[0-9]+$ ]]; then
   echo "bert_ds: MAX_REQUEUES=$MAX_REQUEUES is not a number of requeues" >&2
+  exit 2
+fi
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || ! [[ "$RESTART_BACKOFF" =~ ^[0-9]+$ ]]; then
+  echo "bert_ds: MAX_RESTARTS=$MAX_RESTARTS / RESTART_BACKOFF=$RESTART_BACKOFF: give a number of restarts and" \
+       "whole seconds" >&2
   exit 2
 fi
 # SLURM_TASKS_PER_NODE reads "8(x4)" or "8,8,7": the first node's count is the one checked against its GPUs.
@@ -51,8 +67,9 @@ if [ "$gpus_per_node" -gt 0 ] && [ "$tasks_per_node" -ne "$gpus_per_node" ]; the
 fi
 echo "bert_ds: $SLURM_JOB_NUM_NODES node(s) x $tasks_per_node task(s) = $SLURM_NTASKS rank(s)," \
      "$gpus_per_node GPU(s) per node; recipe $RECIPE -> $RUN_DIR (job $SLURM_JOB_ID," \
-     "restart ${SLURM_RESTART_COUNT:-0}); requeues itself on exit $EXIT_PREEMPTED or $EXIT_STALLED at most" \
-     "MAX_REQUEUES=$MAX_REQUEUES time(s)"
+     "restart ${SLURM_RESTART_COUNT:-0}); restarts the ranks on exit $EXIT_FAILED, $EXIT_STALLED or 128 + N at most" \
+     "MAX_RESTARTS=$MAX_RESTARTS time(s) in this allocation; requeues itself on exit $EXIT_PREEMPTED or" \
+     "$EXIT_STALLED at most MAX_REQUEUES=$MAX_REQUEUES time(s)"
 
 # A follow-up job of slurm/submit_chain.sh resumes after a pre-emption (75), a stalled rank (124), a killed job (137,
 # 143: e.g. Slurm's time limit without --signal) or a job that could not write its exit code, never after a failure
@@ -99,9 +116,11 @@ export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
 # USR1 or TERM to this shell: pass USR1 on to srun, which signals every rank; a rank treats USR1 and TERM alike.
-# (When Slurm itself sends TERM it also reaches the ranks directly; a second signal changes nothing.)
+# (When Slurm itself sends TERM it also reaches the ranks directly; a second signal changes nothing.) The job is being
+# stopped: no restart after that.
 srun_pid=
-forward() { [ -n "$srun_pid" ] && kill -USR1 "$srun_pid" 2>/dev/null; }
+stopping=false
+forward() { stopping=true; [ -n "$srun_pid" ] && kill -USR1 "$srun_pid" 2>/dev/null; }
 trap 'echo "bert_ds: USR1 received: asking the ranks to checkpoint" >&2; forward' USR1
 trap 'echo "bert_ds: TERM received: asking the ranks to checkpoint" >&2; forward' TERM
 
@@ -112,16 +131,50 @@ trap 'echo "bert_ds: TERM received: asking the ranks to checkpoint" >&2; forward
 # --cpus-per-task given again: since Slurm 22.05 srun no longer reads SLURM_CPUS_PER_TASK from sbatch, and a step then
 # gets one CPU per task (the rank's loader workers and OMP threads squeezed onto it where the cluster binds tasks).
 srun_cpus=${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}
-# shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags; srun_cpus one flag or none
-srun --kill-on-bad-exit=0 --wait=60 $srun_cpus "$PYTHON" -m bert_ds.runtime.pretrain --recipe "$RECIPE" \
-    --data "$DATA128" "$DATA512" --tokenizer "$TOKENIZER" --output "$RUN_DIR" --phase "$PHASE" --resume auto \
-    $EXTRA_ARGS &
-srun_pid=$!
-# `wait` returns early when a trapped signal arrives; wait again until srun itself has finished.
+run_step() {
+  # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags; srun_cpus one flag or none
+  srun --kill-on-bad-exit=0 --wait=60 $srun_cpus "$PYTHON" -m bert_ds.runtime.pretrain --recipe "$RECIPE" \
+      --data "$DATA128" "$DATA512" --tokenizer "$TOKENIZER" --output "$RUN_DIR" --phase "$PHASE" --resume auto \
+      $EXTRA_ARGS &
+  srun_pid=$!
+  # `wait` returns early when a trapped signal arrives; wait again until srun itself has finished.
+  while true; do
+    wait "$srun_pid"; rc=$?
+    kill -0 "$srun_pid" 2>/dev/null || break
+  done
+  srun_pid=
+}
+
+# Between two steps, on this (rank 0's) node: Slurm has ended every task of the failed step; bert_ds.lifecycle.restart
+# waits for MASTER_PORT to be free, removes the step's DeepSpeed shared-memory buffers, logs the restart and says how
+# long to wait still (the backoff). Should Python fail here, the backoff alone.
+between_steps() {
+  local wait_s
+  local program='import sys; from bert_ds.lifecycle.restart import step_restart; step_restart(sys.argv[1:])'
+  if ! wait_s=$("$PYTHON" -c "$program" \
+      "$RUN_DIR" "$MASTER_PORT" "$attempt" "$MAX_RESTARTS" "$rc" "$started" "$RESTART_BACKOFF" "$SLURM_JOB_ID"); then
+    wait_s=$(( RESTART_BACKOFF << (attempt - 1) )); [ "$wait_s" -gt 60 ] && wait_s=60
+    echo "bert_ds: restart $attempt of $MAX_RESTARTS: the step exited $rc; resuming from the newest checkpoint in" \
+         "$wait_s s" >&2
+  fi
+  sleep "$wait_s" &  # waited for with `wait`, so that a signal meanwhile is trapped at once
+  wait $! || kill $! 2>/dev/null
+}
+
+attempt=1
+attempts_said=
 while true; do
-  wait "$srun_pid"; rc=$?
-  kill -0 "$srun_pid" 2>/dev/null || break
+  started=$(date +%s)
+  run_step
+  attempts_said+="attempt $attempt: exit $rc after $(( $(date +%s) - started )) s; "
+  if $stopping || ! restartable "$rc" || [ "$attempt" -gt "$MAX_RESTARTS" ]; then break; fi
+  between_steps
+  if $stopping; then break; fi
+  attempt=$((attempt + 1))
 done
+if [ "$attempt" -gt 1 ]; then
+  echo "bert_ds: $attempt attempt(s) in this allocation (MAX_RESTARTS=$MAX_RESTARTS): ${attempts_said}exit $rc" >&2
+fi
 mkdir -p "$RUN_DIR/slurm" && echo "$rc" > "$RUN_DIR/slurm/exit-$SLURM_JOB_ID"
 
 # The job's node-local directory goes when the job ends for good; a requeued job keeps its id and reuses it. On

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from bert_ds.cli import alias
+from bert_ds.lifecycle.restart import split_own_options
 from bert_ds.lifecycle.supervise import MPIRUN, supervise
 
 __all__ = ["SIGKILL_PARAM", "SIGKILL_TIMEOUT_S", "main", "mpirun_options"]
@@ -40,7 +41,8 @@ def mpirun_options(argv: Sequence[str], environ: Mapping[str, str] | None = None
 
 def _run(argv: list[str]) -> int:
     """``bert-ds mpirun``: Open MPI's mpirun under the supervisor."""
-    return supervise(MPIRUN, [*mpirun_options(argv), *argv])
+    own, rest = split_own_options(argv)
+    return supervise(MPIRUN, [*own, *mpirun_options(rest), *rest])
 
 
 main = alias("mpirun")

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 6
 TAGS = ("phase1-step000004", f"phase1-step{STEPS:06d}")  # what keep_last_k 2 leaves of the uninterrupted run
-KILLED = 247  # the launcher exits with the killed rank's code, sys.exit(-9)
+KILLED = 137  # a rank killed by SIGKILL: bert-ds deepspeed exits 128 + 9 (bert_ds/exit_codes.py)
 
 
 def _recipe(path: Path) -> Path:

@@ -26,12 +26,13 @@ PRETRAIN_SCRIPT = REPO / "bert_ds" / "runtime" / "pretrain.py"
 
 def rank_command(nprocs: int, args: Sequence[str] = (), script: str | Path | None = None) -> list[str]:
     """``bert-ds deepspeed --num_gpus N --master_port P SCRIPT ARGS`` for N > 1 CPU ranks (run as ``python -m
-    bert_ds.lifecycle.supervise`` so this checkout's code runs), ``python SCRIPT ARGS`` for one; ``script`` defaults to
+    bert_ds.lifecycle.supervise`` so this checkout's code runs; ``--max-restarts 0``: a test's fault ends the command,
+    the restarts are tests/lifecycle/test_restart_ranks.py's), ``python SCRIPT ARGS`` for one; ``script`` defaults to
     ``bert_ds.runtime.pretrain`` (run as ``python -m`` on one rank)."""
     if nprocs == 1:
         return [sys.executable, *([str(script)] if script else ["-m", "bert_ds.runtime.pretrain"]), *args]
-    return [sys.executable, "-m", "bert_ds.lifecycle.supervise", "--num_gpus", str(nprocs), "--master_port",
-            str(free_port()), str(script or PRETRAIN_SCRIPT), *args]
+    return [sys.executable, "-m", "bert_ds.lifecycle.supervise", "--max-restarts", "0", "--num_gpus", str(nprocs),
+            "--master_port", str(free_port()), str(script or PRETRAIN_SCRIPT), *args]
 
 
 def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = False,

@@ -17,11 +17,16 @@ from bert_ds.exit_codes import ExitCode
 from tests.helpers.ranks import REPO
 
 FAKE_SRUN = """#!/usr/bin/env bash
-# Records its arguments; the rank step ends with $FAKE_SRUN_RC, a step running another program (the cache cleanup)
-# runs it.
+# Records its arguments; the rank step ends with $FAKE_SRUN_RC (a list: the k-th rank step ends with the k-th code, the
+# last one repeating), a step running another program (the cache cleanup) runs it.
 printf '%s\\n' "$*" >> "$FAKE_LOG"
 while [[ "${1:-}" == --* ]]; do shift; done
-if [ "${1:-}" = "$PYTHON" ]; then exit "${FAKE_SRUN_RC:-0}"; fi
+if [ "${1:-}" = "$PYTHON" ]; then
+  read -r -a codes <<< "${FAKE_SRUN_RC:-0}"
+  n=$(grep -c "bert_ds.runtime.pretrain" "$FAKE_LOG")
+  [ "$n" -gt "${#codes[@]}" ] && n=${#codes[@]}
+  exit "${codes[$((n - 1))]}"
+fi
 exec "$@"
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
@@ -49,9 +54,10 @@ class Job:
         return "scontrol requeue 42" in self.calls
 
 
-def run_job(tmp_path: Path, ranks_exit: int, *, restarts: int = 0, nodes: int = 1, plant_cache: bool = True,
+def run_job(tmp_path: Path, ranks_exit: int | str, *, restarts: int = 0, nodes: int = 1, plant_cache: bool = True,
             **env: str) -> Job:
-    """``bash slurm/pretrain_base.sh`` as job 42 whose ranks (the fake srun) end with ``ranks_exit``."""
+    """``bash slurm/pretrain_base.sh`` as job 42 whose ranks (the fake srun) end with ``ranks_exit`` (``"137 0"``: the
+    first step with 137, the next with 0); no restart inside the allocation unless ``MAX_RESTARTS`` is given."""
     bin_dir, node_tmp = tmp_path / "bin", tmp_path / "node-tmp"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -67,7 +73,7 @@ def run_job(tmp_path: Path, ranks_exit: int, *, restarts: int = 0, nodes: int = 
             "SLURM_NTASKS": str(2 * nodes), "SLURM_TASKS_PER_NODE": f"2(x{nodes})" if nodes > 1 else "2",
             "SLURM_JOB_NODELIST": "node01", "SLURM_RESTART_COUNT": str(restarts), "TMPDIR": str(node_tmp),
             "RUN_DIR": str(tmp_path / "run"), "PYTHON": "python-of-the-ranks", "FAKE_LOG": str(log),
-            "FAKE_SRUN_RC": str(ranks_exit)}
+            "FAKE_SRUN_RC": str(ranks_exit), "MAX_RESTARTS": "0"}  # the restarts' own tests set it
     proc = subprocess.run(["bash", str(REPO / "slurm" / "pretrain_base.sh")], cwd=REPO, env={**base, **env},
                           capture_output=True, text=True, timeout=120)
     calls = log.read_text().splitlines() if log.exists() else []
@@ -158,3 +164,42 @@ def test_the_job_states_how_long_a_term_only_preemption_leaves_the_ranks(tmp_pat
     assert "where Slurm sends TERM without --signal, it kills the ranks 45 s later (KillWait): the step and the save " \
            "(each save logs its duration) must fit in that" in job.stdout
     assert "KillWait" not in run_job(tmp_path, 0, SCONTROL=str(tmp_path / "absent")).stdout
+
+
+def _rank_steps(job: Job) -> int:
+    return sum("bert_ds.runtime.pretrain" in c for c in job.calls)
+
+
+def test_a_crashed_or_killed_step_restarts_inside_the_allocation(tmp_path):
+    """Issue 34: 137 (a rank SIGKILLed), then 1, then success: two restarts of the step, no requeue; each restart one
+    line from bert_ds.lifecycle.restart (run by the ranks' Python) and one record in RUN_DIR/restarts.jsonl."""
+    import json
+    import sys
+
+    job = run_job(tmp_path, "137 1 0", MAX_RESTARTS="3", RESTART_BACKOFF="0", PYTHON=sys.executable)
+    assert job.rc == 0 and not job.requeued and _rank_steps(job) == 3, (job.calls, job.stderr)
+    lines = [ln for ln in job.stderr.splitlines() if ": restart " in ln]
+    assert [ln.split(": ")[1] for ln in lines] == ["restart 1 of 3", "restart 2 of 3"], job.stderr
+    assert "killed by SIGKILL (exit 137)" in lines[0] and "exit 1;" in lines[1], lines
+    assert "bert_ds: 3 attempt(s) in this allocation (MAX_RESTARTS=3): attempt 1: exit 137 after" in job.stderr
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["restart"], r["attempt"]["code"]) for r in records] == [(1, 137), (2, 1)]
+
+
+@pytest.mark.parametrize(("codes", "steps", "rc", "requeued"), [
+    ("124", 3, 124, True),  # restarts used up on a stall: what is left is the requeue's, under MAX_REQUEUES
+    ("137", 3, 137, False),  # a rank killed at every try: the last code, no requeue
+    ("2 0", 1, 2, False), ("3 0", 1, 3, False), ("74 0", 1, 74, False),  # never restarted
+    ("75 0", 1, 75, True),  # pre-empted: requeued, never restarted in place
+])
+def test_restarts_are_bounded_and_only_for_retryable_codes(tmp_path, codes, steps, rc, requeued):
+    job = run_job(tmp_path, codes, MAX_RESTARTS="2", RESTART_BACKOFF="0")
+    assert (job.rc, _rank_steps(job), job.requeued) == (rc, steps, requeued), (job.calls, job.stderr)
+    if steps > 1:  # the ranks' Python is a fake here: the script's own line stands in for bert_ds's
+        assert f"bert_ds: restart 2 of 2: the step exited {rc}; resuming from the newest checkpoint" in job.stderr
+        assert f"bert_ds: 3 attempt(s) in this allocation (MAX_RESTARTS=2): attempt 1: exit {rc} after " in job.stderr
+
+
+def test_max_restarts_refuses_a_non_number(tmp_path):
+    bad = run_job(tmp_path, 1, MAX_RESTARTS="three")
+    assert bad.rc == 2 and "MAX_RESTARTS=three" in bad.stderr and not bad.calls

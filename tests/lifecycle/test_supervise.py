@@ -25,7 +25,9 @@ from tests.helpers import HANG_GUARD_S
     ({}, -15, True, 75),  # every process TERMed during start-up, before any rank armed: nothing written, resubmit
     ({11: 2, 12: 75}, -15, True, 2),  # a failure a rank reported wins over a pre-emption
     ({11: 124, 12: 124}, 124, False, 124),
-    ({11: 2}, 247, False, 247),  # rank 12 SIGKILLed: launch.py passes on its -9 (247); rank 11's later error is moot
+    # rank 12 SIGKILLed: launch.py passes on its -9 (247, which the supervisor then reports as 137,
+    # exit_codes.from_negated_signal); rank 11's later error is moot
+    ({11: 2}, 247, False, 247),
     ({}, -9, False, 137),  # the runner itself SIGKILLed, no rank reported
     ({11: 0, 12: 0}, -15, False, 143),
 ])
@@ -39,6 +41,7 @@ def test_the_job_exit_code(reports, runner, signalled, want):
     ({11: 75, 12: 75}, 75, True, 75),
     ({11: 2, 12: 2}, 2, False, 2),
     ({11: 1}, 1, False, 1),  # a loader worker died on rank 11
+    ({11: 1}, 137, False, 137),  # rank 12 SIGKILLed first (mpirun's own 137); rank 11's 1 came from the dead peer
     ({}, 137, False, 137),  # a rank SIGKILLed before reporting: mpirun's own code
     ({}, -15, True, 75),  # mpirun TERMed (not through the supervisor) during start-up
     ({11: 75, 12: 75}, 1, False, 75),  # TERM to mpirun alone: Open MPI TERMed the ranks, they saved; mpirun exits 1
