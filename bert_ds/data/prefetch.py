@@ -1,0 +1,67 @@
+"""Fetch a remote shard set's next shards before the loader needs them (``docs/data.md`` "Shards at a URL").
+
+The sample order is a pure function of ``index.json``, the seed and the epoch (:mod:`bert_ds.data.epoch_order`), so
+a rank knows which shards it reads next. Before each global batch the loader calls :meth:`Prefetcher.advance`: the
+look-ahead window (the shuffle windows read by the previous and the next global batch, and ``ahead_windows`` windows
+after them: :meth:`~bert_ds.data.epoch_order.EpochOrder.shards_for`) is computed, shards outside it are evicted
+when the cache is over ``--cache-limit`` (:meth:`~bert_ds.data.shard_cache.ShardCache.evict`), and the window's
+missing shards are handed, in the order they are first read, to a pool of ``concurrency`` download threads. A
+download error (a :class:`~bert_ds.data.remote.RemoteError`, a full disk) is raised in the training thread at the
+next :meth:`advance`. The previous global batch stays in the window: a rank one step behind another on the node
+still finds its shards. What this changes is when bytes arrive, never which batches the loader yields.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from bert_ds.data.shard_cache import ShardCache
+
+__all__ = ["Prefetcher"]
+
+log = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    """Background downloads of one shard set's look-ahead window; ``window(global_batch)`` lists its shards in the
+    order they are first read."""
+
+    def __init__(self, cache: ShardCache, window: Callable[[int], list[int]], *, concurrency: int):
+        self.cache = cache
+        self.window = window
+        self.concurrency = max(1, concurrency)
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[int, Future] = {}
+        self._batch: int | None = None
+
+    def advance(self, global_batch: int) -> None:
+        """The loader is about to deliver (a micro batch of) ``global_batch``: evict, fetch ahead, and raise the first
+        error a finished download met."""
+        self._raise_failed()
+        if global_batch == self._batch:
+            return
+        self._batch = global_batch
+        shards = self.window(global_batch)
+        self.cache.evict(set(shards))
+        for shard in shards:
+            if shard in self._futures or self.cache.is_cached(shard):
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="bert_ds-prefetch")
+            self._futures[shard] = self._pool.submit(self.cache.ensure, shard)
+        wanted = set(shards)
+        for shard in [s for s, f in self._futures.items() if f.done() and s not in wanted]:
+            del self._futures[shard]  # done and outside the window: a later window fetches it again if evicted
+
+    def _raise_failed(self) -> None:
+        for shard, future in list(self._futures.items()):
+            if future.done() and future.exception() is not None:
+                del self._futures[shard]
+                raise future.exception()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
