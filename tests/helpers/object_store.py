@@ -22,7 +22,10 @@ from pathlib import Path
 
 from tests.helpers import child_env, free_port
 
-__all__ = ["FaultyHandler", "HttpStore", "MotoServer", "S3_ENV", "s3_env", "self_signed_cert"]
+STALL_S = 60.0
+"""How long a ``stall`` fault holds a half-sent body (a download in flight for as long as a test needs)."""
+
+__all__ = ["STALL_S", "FaultyHandler", "HttpStore", "MotoServer", "S3_ENV", "s3_env", "self_signed_cert"]
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
           "AWS_EC2_METADATA_DISABLED": "true"}
@@ -81,7 +84,8 @@ class MotoServer:
 
 class FaultyHandler(http.server.SimpleHTTPRequestHandler):
     """Serves ``directory``; ``faults[name]`` is a list of faults, one consumed per GET of that object: ``drop``
-    (close the connection halfway through the body), ``corrupt`` (flip one byte), ``404``, ``503``; ``ok`` serves it.
+    (close the connection halfway through the body), ``stall`` (send half the body, then nothing for ``STALL_S``),
+    ``corrupt`` (flip one byte), ``404``, ``503``; ``ok`` serves it.
     ``served`` counts the body bytes sent per object."""
 
     faults: dict[str, list[str]]
@@ -110,8 +114,11 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        body = bytes(data[:len(data) // 2]) if fault == "drop" else bytes(data)
+        body = bytes(data[:len(data) // 2]) if fault in ("drop", "stall") else bytes(data)
         self.wfile.write(body)
+        if fault == "stall":
+            self.wfile.flush()
+            time.sleep(STALL_S)
         with self.lock:
             self.served[name] = self.served.get(name, 0) + len(body)
         if fault == "drop":
