@@ -14,6 +14,7 @@ still finds its shards. What this changes is when bytes arrive, never which batc
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -35,6 +36,10 @@ class Prefetcher:
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[int, Future] = {}
         self._batch: int | None = None
+        self._keep: set[int] = set()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        """Bytes being downloaded by this prefetcher: counted against ``--cache-limit`` before another starts."""
 
     def advance(self, global_batch: int) -> None:
         """The loader is about to deliver (a micro batch of) ``global_batch``: evict, fetch ahead, and raise the first
@@ -44,16 +49,30 @@ class Prefetcher:
             return
         self._batch = global_batch
         shards = self.window(global_batch)
-        self.cache.evict(set(shards))
+        with self._lock:
+            self._keep = set(shards)
+            self.cache.evict(self._keep, incoming=self._in_flight)
         for shard in shards:
             if shard in self._futures or self.cache.is_cached(shard):
                 continue
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="bert_ds-prefetch")
-            self._futures[shard] = self._pool.submit(self.cache.ensure, shard)
+            self._futures[shard] = self._pool.submit(self._fetch, shard)
         wanted = set(shards)
         for shard in [s for s, f in self._futures.items() if f.done() and s not in wanted]:
             del self._futures[shard]  # done and outside the window: a later window fetches it again if evicted
+
+    def _fetch(self, shard: int) -> None:
+        """Make room (the window's shards stay), then download; the room is taken before the download starts."""
+        incoming = self.cache.index.shards[shard].bytes
+        with self._lock:
+            self.cache.evict(self._keep, incoming=self._in_flight + incoming)
+            self._in_flight += incoming
+        try:
+            self.cache.ensure(shard)
+        finally:
+            with self._lock:
+                self._in_flight -= incoming
 
     def _raise_failed(self) -> None:
         for shard, future in list(self._futures.items()):

@@ -179,9 +179,7 @@ class ShardCache:
         try:
             fd = os.open(self.dir / ".locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-                except (BlockingIOError, PermissionError):
+                if not _lock_record(fd, blocking):
                     yield False
                     return
                 for stale in self.dir.glob(f".{name}.*.part"):  # left by a killed download: its holder is gone
@@ -265,9 +263,9 @@ class ShardCache:
                            f"{self.url}: {min(window_shards, len(self.index.shards))} shards, up to "
                            f"{format_size(need)} ({need} bytes); raise --cache-limit to at least that")
 
-    def evict(self, keep: set[int]) -> list[str]:
-        """Over ``--cache-limit``: remove cached shards not in ``keep``, least recently used first; returns their
-        names."""
+    def evict(self, keep: set[int], incoming: int = 0) -> list[str]:
+        """Over ``--cache-limit`` (counting ``incoming`` bytes about to be downloaded): remove cached shards not in
+        ``keep``, least recently used first; returns their names."""
         limit = self.options.limit_bytes
         if limit is None:
             return []
@@ -279,7 +277,7 @@ class ShardCache:
             except FileNotFoundError:
                 continue
             present.append((st.st_mtime, info.name, st.st_size))
-        total = sum(size for _, _, size in present)
+        total = sum(size for _, _, size in present) + incoming
         removed = []
         for _, name, size in sorted(present):
             if total <= limit:
@@ -293,6 +291,20 @@ class ShardCache:
             log.info("%s: evicted %d shard(s) outside the look-ahead window (--cache-limit %s)", self.dir,
                      len(removed), format_size(limit))
         return removed
+
+
+def _lock_record(fd: int, blocking: bool, poll_s: float = 0.05) -> bool:
+    """Take the POSIX record lock on ``fd``, polling (non-blocking tries): a blocking wait would be refused with
+    EDEADLK when two ranks' prefetch threads each hold one shard and wait for the other's, which the kernel takes
+    for a deadlock between the two processes although different threads hold and wait."""
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except (BlockingIOError, PermissionError):
+            if not blocking:
+                return False
+            time.sleep(poll_s)
 
 
 def _touch(path: Path) -> None:

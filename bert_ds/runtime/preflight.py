@@ -515,6 +515,14 @@ def _check_loader_state(plan: RunPlan) -> None:
         raise BadInput(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}") from exc
 
 
+def _check_remote_windows(plan: RunPlan) -> None:
+    """A phase reading a URL: its loader built once here (index.json only, no worker, nothing downloaded), so a
+    ``--cache-limit`` below the look-ahead window is refused before the run writes anything."""
+    for p in plan.phases:
+        if p >= plan.start.phase and any(is_url(s.path) for s in plan.data_sources.get(p, [])):
+            loader_for_phase(plan, p, num_workers=0, verify="size")
+
+
 def _nothing_to_do(plan: RunPlan) -> str | None:
     """A message when the selected phases are already done, or ``--max-steps`` is already reached."""
     start, phases = plan.start, plan.phases
@@ -565,6 +573,7 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     plan.nothing_to_do = _nothing_to_do(plan)
     if plan.nothing_to_do is None:
         _check_loader_state(plan)
+        _check_remote_windows(plan)
     if rank == 0:
         for warning in cache_dir_warnings():
             log.warning(warning)

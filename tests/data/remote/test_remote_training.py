@@ -7,9 +7,9 @@ One local reference run is shared by the module."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -117,6 +117,19 @@ def test_training_from_https_equals_local_run(data, tmp_path):
     assert "retry 1 of" in proc.stdout + proc.stderr
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it (the supervisor, DeepSpeed's launcher, the ranks and their
+    loader workers, each possibly in its own process group), at once."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=60)
+
+
 def test_kill9_with_prefetch_in_flight_resumes_exactly(data, tmp_path):
     """The shard of the fourth shuffle window (first read by step 4, prefetched during step 3) stalls mid-body; the
     run is killed with SIGKILL (every process of the job) once its step-3 checkpoint exists. The cache then holds that
@@ -132,13 +145,12 @@ def test_kill9_with_prefetch_in_flight_resumes_exactly(data, tmp_path):
     run, cache = tmp_path / "killed", tmp_path / "killed_cache"
     try:
         proc = subprocess.Popen(rank_command(2, _args(data, f"{store.url}/s128/", run)), cwd=REPO, env=child_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + HANG_GUARD_S
         while not (run / "checkpoints" / "latest").is_file() and time.monotonic() < deadline:
             assert proc.poll() is None, f"the run ended ({proc.returncode}) before its step-3 checkpoint"
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        _kill_tree(proc.pid)
         assert list(cache.rglob(f".{stalled}.*.part")), "the stalled download should have been in flight"
         _assert_only_verified(cache, index)
         _pretrain(data, f"{store.url}/s128/", run, "--resume", "auto")
