@@ -535,8 +535,7 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
     ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal). ``max_document_bytes`` and
     ``max_sentence_chars``: longer lines and sentences are skipped and counted, longer BERT-layout documents cut
     (``text.TextLimits``). ``input_format``: ``text.INPUT_FORMATS``, ``auto`` detecting each file's; the formats
-    read are counted in ``index.json`` ``extra.input_formats``. ``out_dir`` may be a URL (``s3://``, ``gs://``): the
-    set is written to a local staging directory, then uploaded, shards first and ``index.json`` last."""
+    read are counted in ``index.json`` ``extra.input_formats``. ``out_dir`` may be a URL: staged, then uploaded."""
     if is_url(str(out_dir)):
         options = dict(seq_len=seq_len, max_predictions=max_predictions, dupe_factor=dupe_factor,
                        short_seq_prob=short_seq_prob, masked_lm_prob=masked_lm_prob, whole_word_mask=whole_word_mask,

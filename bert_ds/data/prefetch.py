@@ -14,9 +14,10 @@ still finds its shards. What this changes is when bytes arrive, never which batc
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from bert_ds.data.shard_cache import ShardCache
 
@@ -33,7 +34,7 @@ class Prefetcher:
         self.cache = cache
         self.window = window
         self.concurrency = max(1, concurrency)
-        self._pool: ThreadPoolExecutor | None = None
+        self._queue: queue.Queue | None = None
         self._futures: dict[int, Future] = {}
         self._batch: int | None = None
         self._keep: set[int] = set()
@@ -55,12 +56,36 @@ class Prefetcher:
         for shard in shards:
             if shard in self._futures or self.cache.is_cached(shard):
                 continue
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="bert_ds-prefetch")
-            self._futures[shard] = self._pool.submit(self._fetch, shard)
+            if self._queue is None:
+                self._start()
+            future: Future = Future()
+            self._queue.put((future, shard))
+            self._futures[shard] = future
         wanted = set(shards)
         for shard in [s for s, f in self._futures.items() if f.done() and s not in wanted]:
             del self._futures[shard]  # done and outside the window: a later window fetches it again if evicted
+
+    def _start(self) -> None:
+        """The download threads: daemons, so a process that ends (training done, an error) does not wait for
+        downloads nobody needs; one killed mid-download leaves only its ``.part`` file."""
+        self._queue = queue.Queue()
+        for i in range(self.concurrency):
+            threading.Thread(target=self._work, args=(self._queue,), name=f"bert_ds-prefetch-{i}", daemon=True).start()
+
+    def _work(self, jobs: queue.Queue) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            future, shard = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                self._fetch(shard)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread (advance)
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
 
     def _fetch(self, shard: int) -> None:
         """Make room (the window's shards stay), then download; the room is taken before the download starts."""
@@ -81,6 +106,10 @@ class Prefetcher:
                 raise future.exception()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Cancel the downloads not started and stop the threads (a download in progress runs to its end)."""
+        if self._queue is not None:
+            for future in self._futures.values():
+                future.cancel()
+            for _ in range(self.concurrency):
+                self._queue.put(None)
+            self._queue = None

@@ -257,3 +257,34 @@ def test_sources_take_urls_and_weights():
     assert parse_size("200G") == 200 << 30 and parse_size("1.5M") == 3 << 19
     with pytest.raises(BadInput, match="--cache-limit '2X'"):
         parse_size("2X")
+
+
+def test_eval_loader_and_mix_read_urls(shard_set, http, tmp_path):
+    """``--eval-data`` and a weighted mix's source at a URL give the batches of their local copies."""
+    from bert_ds.data.loader import Source, build_eval_loader
+    from bert_ds.data.shard_cache import set_default_options
+
+    set_default_options(_options(tmp_path))
+    local = [b["input_ids"] for b in build_eval_loader(shard_set, micro_batch_size=8)]
+    remote = [b["input_ids"] for b in build_eval_loader(f"{http.url}/set/", micro_batch_size=8)]
+    assert len(local) == len(remote) == 50 and all((a == b).all() for a, b in zip(local, remote, strict=True))
+    other = tmp_path / "other"
+    write_synthetic_shards(other, num_samples=120, samples_per_shard=40, seed=11, **_SPECIALS)
+    mixes = [[Source(str(shard_set), 3.0), Source(str(other), 1.0)],
+             [Source(f"{http.url}/set/", 3.0), Source(str(other), 1.0)]]
+    got = [[b["input_ids"] for _, b in zip(range(40), build_loader(m, num_workers=0, **_LOADER), strict=False)]
+           for m in mixes]
+    assert all((a == b).all() for a, b in zip(*got, strict=True))
+
+
+def test_gs_without_gcsfs_names_the_package():
+    from bert_ds.data.remote import Store
+
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(BadInput, match=r"^gs://bucket/set: reading gs:// needs the Python package 'gcsfs'"):
+        Store("gs://bucket/set").fs
