@@ -287,4 +287,4 @@ def test_gs_without_gcsfs_names_the_package():
     else:
         pytest.skip("gcsfs is installed here")
     with pytest.raises(BadInput, match=r"^gs://bucket/set: reading gs:// needs the Python package 'gcsfs'"):
-        Store("gs://bucket/set").fs
+        Store("gs://bucket/set").read("index.json", "reading")
