@@ -71,7 +71,7 @@ def _kind(exc: BaseException) -> str:
     status = _status(exc)
     if isinstance(exc, FileNotFoundError) or status in (404, 410):
         return "missing"
-    if isinstance(exc, PermissionError) or status in (401, 403):
+    if isinstance(exc, PermissionError) or status in (401, 403) or "Credential" in type(exc).__name__:
         return "credentials"
     if status is not None and (status >= 500 or status in (408, 429)):
         return "transient"

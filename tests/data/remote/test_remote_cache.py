@@ -288,3 +288,24 @@ def test_gs_without_gcsfs_names_the_package():
         pytest.skip("gcsfs is installed here")
     with pytest.raises(BadInput, match=r"^gs://bucket/set: reading gs:// needs the Python package 'gcsfs'"):
         Store("gs://bucket/set").read("index.json", "reading")
+
+
+def test_cache_dir_on_a_network_file_system_is_refused(tmp_path):
+    """Pre-flight refuses a --cache-dir on NFS when a set is read from a URL (the cache is per node), and says
+    nothing about it when every set is a directory; the default root is the Slurm job's node-local one."""
+    from bert_ds.runtime.preflight import RunArgs, _cache_options, default_shard_cache_dir
+
+    mounts = "server:/export /mnt/shared nfs4 rw,relatime 0 0\n/dev/sda1 / ext4 rw 0 0\n"
+    args = RunArgs(recipe="r.json", output="run", tokenizer="tok", cache_dir="/mnt/shared/cache")
+    from bert_ds.data.shard_cache import default_options, set_default_options
+
+    before = default_options()
+    try:
+        with pytest.raises(BadInput, match=r"^--cache-dir /mnt/shared/cache is on a network file system \(nfs4 "
+                                           r"mounted at /mnt/shared\)"):
+            _cache_options(args, True, mounts)
+        _cache_options(args, False, mounts)
+    finally:
+        set_default_options(before)
+    assert default_shard_cache_dir({"SLURM_JOB_ID": "42", "TMPDIR": "/local"}) == "/local/bert_ds-42/shards"
+    assert default_shard_cache_dir({}) == "/tmp/bert_ds-shards"
