@@ -217,3 +217,20 @@ def test_full_cache_disk_exits_74_keeping_the_checkpoint(data, moto, tmp_path):
         _assert_only_verified(cache, ShardIndex.load(data["local"]))
     finally:
         subprocess.run(["umount", str(cache)], check=False)
+
+
+def test_resume_from_the_store_on_another_rank_count(data, moto, tmp_path):
+    """The local 2-rank run's step-3 checkpoint resumed on 1 rank reading s3://: the same samples are consumed and
+    the final weights are within the data-parallel rounding floor of the uninterrupted run (``param_diffs``)."""
+    from tests.helpers.runs import assert_close_params
+
+    run = tmp_path / "moved"
+    shutil.copytree(data["reference"], run)
+    shutil.rmtree(run / "checkpoints" / _FINAL)
+    shutil.rmtree(run / "tensorboard")
+    (run / "checkpoints" / "latest").write_text("phase1-step000003")
+    _pretrain(data, "s3://corpus/sets/s128/", run, "--resume", "auto", nprocs=1, **s3_env(moto.endpoint))
+    state = json.loads((run / "checkpoints" / _FINAL / "run_state.json").read_text())
+    want = json.loads((data["reference"] / "checkpoints" / _FINAL / "run_state.json").read_text())
+    assert state["world_size"] == 1 and state["consumed_samples"] == want["consumed_samples"]
+    assert_close_params(weights(run, _FINAL), weights(data["reference"], _FINAL), "2 -> 1 ranks from s3")
