@@ -21,7 +21,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml tools/system_packages.sh
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==$(TORCH_VERSION)
 	# deepspeed builds against the torch above, so it must not get an isolated build environment.
 	$(PIP) install --no-build-isolation 'deepspeed>=0.19,<0.20'
-	$(PIP) install -e '.[dev,mpi]'
+	$(PIP) install -e '.[dev,mpi,remote]'
 	# timm's pure-PyTorch Lamb is the independent reference the LAMB tests compare against. --no-deps: its
 	# torchvision requirement would replace the CPU torch above; the tests load timm/optim/lamb.py alone.
 	$(PIP) install --no-deps timm==1.0.31

@@ -468,7 +468,8 @@ def load_recipe(path: str | Path) -> Recipe:
     base = path.resolve().parent
     for phase in recipe.phases:  # a relative shard directory is the recipe file's neighbour, wherever a job starts
         if phase.data is not None:
-            phase.data = [DataSource(str(base / e.path), e.weight) for e in phase.data]
+            phase.data = [DataSource(e.path if "://" in e.path else str(base / e.path), e.weight)  # URLs as given
+                          for e in phase.data]
     return recipe
 
 

@@ -40,7 +40,7 @@ SCRIPTS = {
 }
 # tools/ scripts that are not console scripts: the single benchmarks (thin wrappers over bert_ds.devtools.benchmarks,
 # whose create and loader sections bert-ds-benchmark runs), and the installer's shell script.
-BENCHMARK_WRAPPERS = {"bench_create.py", "bench_lamb.py", "bench_loader.py"}
+BENCHMARK_WRAPPERS = {"bench_create.py", "bench_lamb.py", "bench_loader.py", "bench_remote.py"}
 NOT_CONSOLE_SCRIPTS = BENCHMARK_WRAPPERS | {"system_packages.sh"}
 
 

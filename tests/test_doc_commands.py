@@ -98,6 +98,10 @@ RULES: dict[str, list[Rule]] = {
         Rule(r"^pip install", "cannot", f"{NETWORK}; {VENV} installs the dev extra"),
         Rule(r"^wget |^huggingface-cli download", "cannot", NETWORK),
         Rule(r"^python -m wikiextractor\.WikiExtractor", "run"),
+        Rule(r"^bert-ds (create|verify)-shards .*s3://", "covered",
+             "tests/data/remote/test_remote_cache.py::test_create_shards_uploads_to_s3_and_verify_shards_reads_it"),
+        Rule(r"^bert-ds deepspeed --num_gpus 2 .*--data s3://", "covered",
+             "tests/data/remote/test_remote_training.py::test_training_from_s3_equals_local_run"),
     ],
     "docs/demo.md": [
         Rule(r"^make demo", "covered", f"{DEMO}, {CI} (make demo)"),

@@ -41,6 +41,8 @@ DATA_STAGES = {
     "masking": 3,  # MLM masking (static at creation, dynamic in the loader)
     "format": 4,  # one sample's bytes
     "index": 5,  # shard files + index.json
+    "remote": 5,  # a shard set at a URL: the store's client (fsspec), retries, errors
+    "shard_cache": 5,  # a URL's shards in the node-local cache, verified, once per node
     "create": 6,  # text -> shards (the whole offline pipeline)
     "reader": 6,  # shards -> samples
     "synthetic": 6,  # random shards for tests and benchmarks
@@ -50,6 +52,7 @@ DATA_STAGES = {
     "collate": 7,  # samples -> one packed micro batch (read, mask, check)
     "workers": 7,  # the loader's DataLoader worker processes; a dead worker named
     "mix": 7,  # weighted mixes of shard sets: which source each position of a global batch reads
+    "prefetch": 7,  # a URL's next shards fetched ahead from the loader's own order
     "loader": 7,  # samples -> batches, rank/worker split, resumable state
 }
 """Stage of each ``bert_ds.data`` module in the pipeline text -> tokenizer -> pairs -> masking -> format -> index ->

@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import random
 import sys
+import tempfile
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from bert_ds.data.masking import (
     word_ids_from_pieces,
 )
 from bert_ds.data.pairs import Pair, create_pairs, pair_input_ids, tokenize_documents
+from bert_ds.data.remote import is_url
 from bert_ds.data.text import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SENTENCE_CHARS,
@@ -533,7 +535,14 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
     ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal). ``max_document_bytes`` and
     ``max_sentence_chars``: longer lines and sentences are skipped and counted, longer BERT-layout documents cut
     (``text.TextLimits``). ``input_format``: ``text.INPUT_FORMATS``, ``auto`` detecting each file's; the formats
-    read are counted in ``index.json`` ``extra.input_formats``."""
+    read are counted in ``index.json`` ``extra.input_formats``. ``out_dir`` may be a URL: staged, then uploaded."""
+    if is_url(str(out_dir)):
+        options = dict(seq_len=seq_len, max_predictions=max_predictions, dupe_factor=dupe_factor,
+                       short_seq_prob=short_seq_prob, masked_lm_prob=masked_lm_prob, whole_word_mask=whole_word_mask,
+                       seed=seed, workers=workers, samples_per_shard=samples_per_shard, progress=progress,
+                       max_document_bytes=max_document_bytes, max_sentence_chars=max_sentence_chars,
+                       input_format=input_format)
+        return _create_at_url(inputs, tokenizer_dir, str(out_dir), overwrite, options)
     if max_predictions is None and isinstance(seq_len, int) and seq_len >= 5:
         max_predictions = default_max_predictions(seq_len)
     _check_create_args(seq_len, max_predictions, dupe_factor, short_seq_prob, masked_lm_prob, seed, workers,
@@ -577,6 +586,22 @@ def create_shards(inputs: Sequence[str | Path] | str | Path, tokenizer_dir: str 
     return index
 
 
+def _create_at_url(inputs, tokenizer_dir, url: str, overwrite: bool, options: dict) -> ShardIndex:
+    """:func:`create_shards` to a store: staged in a temporary directory, uploaded by
+    :func:`bert_ds.data.shard_cache.upload_shard_set` (index.json last, so no reader sees a partial set)."""
+    comm = _mpi_comm()
+    if comm is not None and comm.Get_size() > 1:
+        raise BadInput(f"--out {url}: a URL is staged by one process; under mpirun give --out a shared directory and "
+                       "copy the set to the store afterwards, index.json last")
+    from bert_ds.data.shard_cache import check_upload_target, upload_shard_set
+
+    check_upload_target(url, overwrite)  # refuse an existing set before any work
+    with tempfile.TemporaryDirectory(prefix="bert_ds-create-") as staging:
+        index = create_shards(inputs, tokenizer_dir, Path(staging) / "set", **options)
+        upload_shard_set(Path(staging) / "set", url, overwrite=overwrite)
+    return index
+
+
 _CREATE_DEFAULTS = defaults_of(create_shards)
 
 
@@ -588,7 +613,8 @@ class CreateShardsArgs(InputArgs):
                             "--out, or Google's)")
     seq_len: int
     """Tokens per sample: 128 (phase 1) or 512 (phase 2)."""
-    out: str = option(metavar="DIR", help="output directory: shards + index.json")
+    out: str = option(metavar="DIR", help="output directory: shards + index.json; or an object-store URL (s3://, "
+                      "gs://): staged locally, then uploaded with index.json last")
     max_predictions: int | None = _CREATE_DEFAULTS["max_predictions"]
     """Masked positions per sample (default: 20 at seq 128, 80 at 512, as Google/NVIDIA)."""
     dupe_factor: int = option(_CREATE_DEFAULTS["dupe_factor"], help="copies of the corpus, each with other pairs and "

@@ -84,3 +84,38 @@ class EpochOrder:
             pos = take
             w += 1
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def shards_for(self, first: int, stop: int, ahead: int) -> list[int]:
+        """Shards read at positions ``[first, stop)`` counted across epochs (position ``p`` of epoch ``e`` is
+        ``e * num_samples + p``) and in the ``ahead`` shuffle windows after them, in the order they are first read:
+        what a prefetcher fetches next (:mod:`bert_ds.data.prefetch`). Within a window every shard is read from its
+        first batch on (the window's samples are permuted together), so whole windows are the unit."""
+        n = len(self.counts)
+        per = self.num_samples
+        windows_per_epoch = -(-n // self.window_shards)
+
+        def window_at(position: int) -> tuple[int, int]:
+            epoch, pos = divmod(position, per)
+            _, bounds = self._layout_of(epoch)
+            return epoch, int(np.searchsorted(bounds, pos, side="right")) - 1
+
+        epoch, w = window_at(first)
+        last = window_at(max(first, stop - 1))
+        out: list[int] = []
+        while (epoch, w) <= last or ahead > 0:
+            if (epoch, w) > last:
+                ahead -= 1
+            order, _ = self._layout_of(epoch)
+            out += [int(s) for s in order[w * self.window_shards:(w + 1) * self.window_shards] if int(s) not in out]
+            epoch, w = (epoch + 1, 0) if w + 1 >= windows_per_epoch else (epoch, w + 1)
+        return out
+
+    def _layout_of(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_epoch_layout` without touching its cache (a prefetcher looks ahead without moving a reader's)."""
+        if self._layout is not None and self._layout[0] == epoch:
+            return self._layout[1], self._layout[2]
+        saved = self._layout
+        try:
+            return self._epoch_layout(epoch)
+        finally:
+            self._layout = saved

@@ -70,6 +70,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -95,7 +96,10 @@ from bert_ds.data.mix import (
     rule_changes,
     source_seed,
 )
+from bert_ds.data.prefetch import Prefetcher
 from bert_ds.data.reader import ShardReader
+from bert_ds.data.remote import is_url
+from bert_ds.data.shard_cache import ShardCache, open_cache
 from bert_ds.data.workers import LoaderWorkerError, iterate, raise_if_worker_died
 from bert_ds.errors import BadInput
 
@@ -178,6 +182,11 @@ class _TrainLoader:
         self.prefetch_factor = prefetch_factor
         self._fingerprint = fingerprint
         self._delivered = 0
+        self.wait_s = 0.0
+        """Seconds the consumer waited on this loader for its batches (the step's data wait; TensorBoard
+        ``data/phase<N>/loader_wait_s``)."""
+        self.prefetchers: list[Prefetcher] = []
+        """One per shard set read from a URL (:mod:`bert_ds.data.prefetch`), advanced before every batch."""
         self.mix_change: str | None = None
         """What differed from the checkpoint's mix when ``continue_with_new_mix`` let it through (for the log); only
         a mix can change."""
@@ -191,10 +200,34 @@ class _TrainLoader:
         return self._delivered // self._dataset.accumulation
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for batch in iterate(self._dataset, _CountFrom(self._delivered), self.num_workers, self.prefetch_factor,
-                              self._dataset.collate.seed):
+        batches = iterate(self._dataset, _CountFrom(self._delivered), self.num_workers, self.prefetch_factor,
+                          self._dataset.collate.seed)
+        while True:
+            for prefetcher in self.prefetchers:  # which shards come next depends only on the position
+                prefetcher.advance(self.consumed_global_batches)
+            start = time.perf_counter()
+            batch = next(batches, None)
+            self.wait_s += time.perf_counter() - start
+            if batch is None:
+                return
             self._delivered += 1
             yield batch
+
+    def data_scalars(self, phase: int) -> dict[str, float]:
+        """TensorBoard scalars of this loader so far: seconds waited for batches, and per shard set read from a URL
+        the bytes downloaded and the seconds this rank's processes waited for a shard to arrive."""
+        out = {f"data/phase{phase}/loader_wait_s": self.wait_s}
+        for k, cache in enumerate(self.caches):
+            name = f"data/phase{phase}/store{k}" if len(self.caches) > 1 else f"data/phase{phase}/store"
+            out[f"{name}/downloaded_bytes"] = float(cache.stats[0])
+            out[f"{name}/fetch_wait_s"] = float(cache.stats[2])
+        return out
+
+    @property
+    def caches(self) -> list[ShardCache]:
+        """The node-local caches of the shard sets this loader reads from URLs (their ``stats``: bytes
+        downloaded, downloads, seconds waited for a shard)."""
+        return [p.cache for p in self.prefetchers]
 
     def describe(self, steps: int) -> list[str]:
         """Lines saying what each source of a mix gives over ``steps`` global batches; none for one shard set."""
@@ -345,15 +378,17 @@ def _open_checked(data_dir: str | Path, *, expected_seq_len: int | None, expecte
                   dynamic_masking: DynamicMasking | None, max_predictions: int | None,
                   verify: str, max_open_shards: int = 32) -> tuple[ShardReader, int]:
     """Load + check index.json and shard sizes; return the reader and the prediction slots per row."""
-    index = ShardIndex.load(data_dir)
+    cache = open_cache(str(data_dir)) if is_url(data_dir) else None
+    index = cache.index if cache is not None else ShardIndex.load(data_dir)
     where = str(data_dir)
     index.check_compatible(seq_len=expected_seq_len, vocab_sha256=expected_vocab_sha256, where=where)
     if dynamic_masking is not None:
         index.check_compatible(vocab_size=dynamic_masking.vocab_size, where=where)
-    reader = ShardReader(data_dir, verify=verify, index=index, max_open_shards=max_open_shards)
+    reader = ShardReader(cache.dir if cache is not None else data_dir, verify=verify, index=index,
+                         max_open_shards=max_open_shards, fetch=cache.ensure if cache is not None else None)
     if reader.num_samples == 0:
         raise BadInput(f"{where}/index.json lists no samples")
-    for shard in range(reader.num_shards):  # cheap: one stat per shard; the `verify` level runs on first open
+    for shard in range(reader.num_shards if cache is None else 0):  # one stat per shard (a URL's: fetched later)
         reader.check_size(shard)
     if dynamic_masking is not None:
         needed = dynamic_masking.resolved_max_predictions(index.seq_len)
@@ -425,13 +460,40 @@ def _single_loader(data_dir: str | Path, *, global_batch_size: int, micro_batch_
                         seed=seed)
     dataset = _MicroBatches(order, collate, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                             rank=rank, world_size=world_size)
+    per_epoch = dataset.batches_per_epoch  # an epoch's dropped tail: batch b starts at epoch b // per_epoch
+    prefetchers = _prefetchers([reader], [order], global_batch_size,
+                               lambda k, b: (b // per_epoch) * order.num_samples + (b % per_epoch) * global_batch_size)
     fingerprint = {
         "seed": seed, "global_batch_size": global_batch_size, "shuffle": shuffle,
         "shuffle_window_shards": shuffle_window_shards, "num_samples": reader.num_samples,
         "shard_set_sha256": _shard_set_sha256(index),
         "dynamic_masking": dynamic_masking.describe() if dynamic_masking is not None else None,
     }
-    return ShardLoader(dataset, num_workers=num_workers, prefetch_factor=prefetch_factor, fingerprint=fingerprint)
+    loader = ShardLoader(dataset, num_workers=num_workers, prefetch_factor=prefetch_factor, fingerprint=fingerprint)
+    loader.prefetchers = prefetchers
+    return loader
+
+
+def _prefetchers(readers: list[ShardReader], orders: list[EpochOrder], global_batch_size: int, drawn) -> list:
+    """A :class:`Prefetcher` per reader of a URL's shard set; ``drawn(k, b)`` is the samples source ``k`` gave
+    global batches ``[0, b)`` (its position in its own order, counted across epochs). The window: the shuffle
+    windows read by global batches ``b - 1`` and ``b``, and ``ahead_windows`` more; a ``--cache-limit`` below its
+    largest possible size is refused here, before any compute."""
+    out = []
+    for k, (reader, order) in enumerate(zip(readers, orders, strict=True)):
+        cache = getattr(reader.fetch, "__self__", None)
+        if not isinstance(cache, ShardCache):
+            continue
+        ahead = cache.options.ahead_windows
+        smallest = int(order.counts.min()) * order.window_shards
+        spanned = -(-2 * global_batch_size // smallest) + 1 if smallest > 0 else len(order.counts)
+        cache.check_limit((spanned + ahead) * order.window_shards)
+
+        def window(b: int, k=k, order=order, ahead=ahead) -> list[int]:
+            return order.shards_for(drawn(k, max(b - 1, 0)), drawn(k, b + 1), ahead)
+
+        out.append(Prefetcher(cache, window, concurrency=cache.options.concurrency))
+    return out
 
 
 def _shard_set_sha256(index: ShardIndex) -> str:
@@ -494,8 +556,11 @@ def _mixed_loader(sources: list[Source], *, global_batch_size: int, micro_batch_
         "mix_rule": MIX_RULE,
         "dynamic_masking": dynamic_masking.describe() if dynamic_masking is not None else None,
     }
-    return MixedShardLoader(dataset, sources, [r.num_samples for r in readers], seq_len, num_workers=num_workers,
-                            prefetch_factor=prefetch_factor, fingerprint=fingerprint)
+    loader = MixedShardLoader(dataset, sources, [r.num_samples for r in readers], seq_len, num_workers=num_workers,
+                              prefetch_factor=prefetch_factor, fingerprint=fingerprint)
+    loader.prefetchers = _prefetchers(readers, orders, global_batch_size,
+                                      lambda k, b: int(schedule.counts_before(max(b, schedule.base_batch))[k]))
+    return loader
 
 
 def build_eval_loader(data_dir: str | Path, *, micro_batch_size: int, rank: int = 0, world_size: int = 1,

@@ -67,6 +67,8 @@ def parse_sources(spec: str, flag: str, *, weighted: bool = True) -> list[Source
         if not element:
             raise BadInput(f"{flag} {spec!r}: an empty element; separate shard directories by single commas")
         path, sep, weight_text = element.rpartition(":")
+        if "/" in weight_text or "://" not in path and "://" in element:  # a URL's scheme or port, not a weight
+            sep = ""
         if not sep:
             sources.append(Source(element))
             continue
@@ -83,7 +85,8 @@ def parse_sources(spec: str, flag: str, *, weighted: bool = True) -> list[Source
         bare = next(s.path for s in sources if s.weight is None)
         raise BadInput(f"{flag} {spec!r}: {bare!r} has no weight; give every set of a mix one (dir:weight)")
     for attr in ("path", "name"):
-        seen = [str(Path(s.path).resolve()) if attr == "path" else s.name for s in sources]
+        seen = [(s.path.rstrip("/") if "://" in s.path else str(Path(s.path).resolve())) if attr == "path"
+                else s.name for s in sources]
         dup = next((x for x in seen if seen.count(x) > 1), None)
         if dup is not None:
             raise BadInput(f"{flag} {spec!r}: {'directory' if attr == 'path' else 'name'} {dup!r} is listed twice; "

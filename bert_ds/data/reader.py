@@ -33,6 +33,8 @@ from bert_ds.cli import alias
 from bert_ds.cli_args import build_parser, option
 from bert_ds.data.format import HEADER_SIZE, MEMBER_SUFFIX, Sample, ShardError, check_record_headers, decode_sample
 from bert_ds.data.index import INDEX_NAME, ShardIndex, file_sha256
+from bert_ds.data.remote import is_url
+from bert_ds.data.shard_cache import load_index, verify_remote_set
 from bert_ds.errors import BadInput
 
 __all__ = ["ShardError", "TarMembers", "scan_tar", "ShardReader", "VERIFY_MODES", "VerifyReport", "verify_shard_set",
@@ -146,7 +148,7 @@ class ShardReader:
     """
 
     def __init__(self, data_dir: str | Path, *, verify: str = "size", index: ShardIndex | None = None,
-                 max_open_shards: int = 32):
+                 max_open_shards: int = 32, fetch=None):
         if verify not in VERIFY_MODES:
             raise BadInput(f"verify={verify!r}: expected one of {VERIFY_MODES}")
         if max_open_shards <= 0:
@@ -164,6 +166,9 @@ class ShardReader:
         self._hashed: set[int] = set()
         self.reading: np.ndarray | None = None
         """Optional (2,) int64 array (shared memory in a DataLoader worker): the (shard, index) being read now."""
+        self.fetch = fetch
+        """For a set read from a URL: ``fetch(shard)`` makes the shard present and verified in ``data_dir``, the
+        node-local cache (:meth:`bert_ds.data.shard_cache.ShardCache.ensure`), before it is opened."""
 
     @property
     def num_shards(self) -> int:
@@ -191,6 +196,8 @@ class ShardReader:
             return handle
         info = self.index.shards[shard]
         path, where = self.shard_path(shard)
+        if self.fetch is not None:
+            self.fetch(shard)
         self.check_size(shard)
         if self.verify == "sha256" and shard not in self._hashed:
             digest = file_sha256(path)
@@ -341,6 +348,15 @@ def verify_shard_set(directory: str | Path, level: str = "headers") -> VerifyRep
         raise BadInput(f"level={level!r}: expected one of {VERIFY_MODES}")
     report = VerifyReport(str(directory), level)
     t0 = time.perf_counter()
+    if is_url(directory):  # the store's objects first; headers/sha256 then read the verified cache copies
+        cached, report.errors = verify_remote_set(str(directory), level)
+        if report.errors or level == "size":
+            index = load_index(str(directory))
+            report.shards = len(index.shards) - len(report.errors)
+            report.samples, report.bytes = index.total_samples, sum(s.bytes for s in index.shards)
+            report.seconds = time.perf_counter() - t0
+            return report
+        directory = cached
     try:
         reader = ShardReader(directory, verify=level, max_open_shards=1)
     except (ValueError, FileNotFoundError) as exc:
@@ -370,7 +386,8 @@ class VerifyArgs:
     """``bert-ds-verify-shards``' options (:mod:`bert_ds.cli_args`). Its level defaults to the thorough one, not
     :func:`verify_shard_set`'s: a command run by hand can afford to read everything."""
 
-    dirs: list[str] = option(positional=True, metavar="DIR", help="shard set directories (each holds index.json)")
+    dirs: list[str] = option(positional=True, metavar="DIR", help="shard set directories or URLs (s3://, gs://, "
+                             "https://; each holds index.json)")
     level: str = option("sha256", choices=VERIFY_MODES, help="size: stat each file; headers: + tar headers, counts "
                         "and every record header (fast); sha256: + each file's checksum (reads everything)")
 

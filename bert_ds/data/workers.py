@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from bert_ds.data.masking import counter_hash
 from bert_ds.data.reader import ShardError
-from bert_ds.errors import StepFailed
+from bert_ds.errors import BertDsError, StepFailed
 
 __all__ = ["LoaderWorkerError", "iterate", "raise_if_worker_died"]
 
@@ -42,8 +42,9 @@ class _Failure:
     """A :class:`ShardError` caught in a worker and returned as data, so the main process raises it with its own
     one-line message (torch re-raises a worker's exception wrapped in a multi-line traceback text)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, kind: type = ShardError):
         self.message = message
+        self.kind = kind
 
 
 class _Guarded(Dataset):
@@ -53,8 +54,8 @@ class _Guarded(Dataset):
     def __getitem__(self, m: int) -> np.ndarray | _Failure:
         try:
             return self.inner[m]
-        except ShardError as exc:
-            return _Failure(str(exc))
+        except (ShardError, BertDsError) as exc:  # a URL's shard: missing, corrupt, disk full (shard_cache)
+            return _Failure(str(exc), type(exc))
 
 
 def _init_worker(slots, worker_id: int) -> None:
@@ -106,7 +107,7 @@ def _from_workers(dataset: Dataset, indices: Iterator[int] | Sampler, num_worker
             if died is not None:  # raised outside the except: no __context__ whose frames would hold the iterator
                 raise LoaderWorkerError(died)
             if isinstance(flat, _Failure):
-                raise ShardError(flat.message)
+                raise flat.kind(flat.message)
             yield dataset.collate.unpack(flat)
     finally:
         _WATCHED.pop(id(watch), None)

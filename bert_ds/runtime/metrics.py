@@ -275,6 +275,12 @@ class MetricsLogger:
                 written[name] = value
         return " | ".join(f"{k} {v:.4f}" if not float(v).is_integer() else f"{k} {int(v)}" for k, v in written.items())
 
+    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """Write each ``tag: value`` as it is (the loader's data wait, :func:`bert_ds.runtime.trainer`)."""
+        if self.enabled:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, float(value), step)
+
     def log_text(self, tag: str, text: str, step: int = 0) -> None:
         """Free text (the resolved recipe, the command line) under ``tag`` in TensorBoard's Text tab."""
         if self.enabled:

@@ -25,13 +25,15 @@ from bert_ds import checkpoint as ckpt
 from bert_ds.cli_args import option
 from bert_ds.config import BertConfig
 from bert_ds.data.mix import MixChangedError, Source, parse_sources
+from bert_ds.data.remote import is_url
 from bert_ds.errors import BadInput
 from bert_ds.exit_codes import ExitCode
 from bert_ds.lifecycle.hang_watchdog import DEFAULT_FLOOR_S, SLOW_FLOOR_S, STEP_FACTOR
 from bert_ds.recipe import Recipe, gradient_accumulation_steps, resume_blockers
-from bert_ds.runtime.caches import cache_dir_warnings
+from bert_ds.runtime.caches import NETWORK_FILESYSTEMS, cache_dir_warnings, filesystem_of
 
-__all__ = ["RunArgs", "RunPlan", "StartPoint", "check_step_timeout", "fit_cache_dir", "loader_for_phase", "plan_run"]
+__all__ = ["RunArgs", "RunPlan", "StartPoint", "check_step_timeout", "default_shard_cache_dir", "fit_cache_dir",
+           "loader_for_phase", "plan_run"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,14 @@ class RunArgs:
     continue_with_new_mix: bool = False
     """resume a checkpoint whose --data mix (sources, weights, their order) differs: the new mix starts at the saved
     step, each source kept goes on where it was (logged); without it such a resume is refused, naming what changed"""
+    cache_dir: str | None = option(None, metavar="DIR", help="node-local cache of shard sets read from URLs "
+                                   "(s3://, gs://, https://; docs/data.md). Default: ${TMPDIR:-/tmp}/bert_ds-"
+                                   "$SLURM_JOB_ID/shards in a Slurm job, ${TMPDIR:-/tmp}/bert_ds-shards outside; "
+                                   "refused on a network file system")
+    cache_limit: str | None = option(None, metavar="SIZE", help="most bytes each URL's shard set may keep in "
+                                     "--cache-dir (e.g. 200G): shards outside the loader's look-ahead window are "
+                                     "evicted least recently used first; a limit below the window is refused. "
+                                     "Default: unbounded")
     step_timeout: float | None = option(None, metavar="SECONDS", help=_STEP_TIMEOUT_HELP)
     """Seconds a training step may take before the progress watchdog ends the job (exit 124); None: derived from the
     measured step time (:func:`bert_ds.lifecycle.hang_watchdog.step_bound`); 0: no watchdog."""
@@ -181,7 +191,7 @@ def _training_data(args: RunArgs, recipe: Recipe, phases: list[int], rank: int
             raise BadInput(f"--data is not given and recipe {args.recipe} has no phases[{p}].data: name phase "
                            f"{p + 1}'s shard directories on the command line or in the recipe")
         for i, entry in enumerate(entries):
-            if not Path(entry.path).is_dir():
+            if not is_url(entry.path) and not Path(entry.path).is_dir():
                 raise BadInput(f"recipe {args.recipe}: phases[{p}].data[{i}].path {entry.path!r} is not a "
                                f"directory (a relative path is read from the recipe file's directory)")
         sources[p] = [Source(e.path, e.weight) for e in entries]
@@ -190,6 +200,40 @@ def _training_data(args: RunArgs, recipe: Recipe, phases: list[int], rank: int
         if rank == 0:
             log.info("phase %d trains on recipe %s's phases[%d].data: %s", p + 1, args.recipe, p, data[p])
     return data, sources, labels
+
+
+def default_shard_cache_dir(env: dict | None = None) -> str:
+    """``--cache-dir``'s default: in a Slurm job the job's node-local root that ``slurm/pretrain_common.sh`` and
+    :func:`bert_ds.runtime.caches.node_local_caches` use, ``${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID``, plus ``shards``;
+    outside Slurm ``${TMPDIR:-/tmp}/bert_ds-shards``."""
+    import os
+
+    env = os.environ if env is None else env
+    tmp = env.get("TMPDIR") or "/tmp"
+    job = env.get("SLURM_JOB_ID")
+    return f"{tmp}/bert_ds-{job}/shards" if job else f"{tmp}/bert_ds-shards"
+
+
+def _cache_options(args: RunArgs, uses_urls: bool, mounts_text: str | None = None) -> None:
+    """Where shard sets read from URLs are cached on this node (:mod:`bert_ds.data.shard_cache`): refused on a
+    network file system, whose ranks on several nodes would share (and evict) one cache and whose locks need not
+    hold between nodes."""
+    from bert_ds.data.shard_cache import CacheOptions, parse_size, set_default_options
+
+    root = args.cache_dir or default_shard_cache_dir()
+    limit = parse_size(args.cache_limit) if args.cache_limit is not None else None
+    if uses_urls and mounts_text is None:
+        try:
+            mounts_text = Path("/proc/mounts").read_text()
+        except OSError:  # not Linux: nothing to check against
+            mounts_text = ""
+    point, fstype = filesystem_of(root, mounts_text or "")
+    if uses_urls and fstype in NETWORK_FILESYSTEMS:
+        log.warning("--cache-dir %s is on a network file system (%s mounted at %s)", root, fstype, point)
+        raise BadInput(f"--cache-dir {root} is on a network file system ({fstype} mounted at {point}): the shard "
+                       f"cache is per node (downloads once per node under a local lock, evicts by the node's "
+                       f"look-ahead); give a node-local directory, e.g. ${{TMPDIR:-/tmp}}/bert_ds-shards")
+    set_default_options(CacheOptions(root=root, limit_bytes=limit))
 
 
 def check_step_timeout(args: RunArgs, recipe: Recipe) -> None:
@@ -314,13 +358,13 @@ def _check_shard_set(recipe: Recipe, p: int, label: str, directory: str, context
                      vocab_size: int, verify_level: str, lowercase: bool, tokenizer_dir: str) -> None:
     """One shard set against phase ``p`` and the tokenizer; ``context`` (a mix's source) is named in each error."""
     from bert_ds.data.format import ShardError
-    from bert_ds.data.index import ShardIndex
     from bert_ds.data.reader import verify_shard_set
+    from bert_ds.data.shard_cache import load_index
 
     phase = recipe.phases[p]
     suffix = f" ({context})" if context else ""
     try:
-        index = ShardIndex.load(directory)
+        index = load_index(directory)  # a URL's: read from the store (credentials refused: exit 2 here, no compute)
     except (ValueError, FileNotFoundError) as exc:
         raise type(exc)(f"{label}{suffix}: {exc}" if context else str(exc)) from None
     index.check_compatible(seq_len=phase.seq_len, vocab_sha256=vocab_sha256, vocab_size=vocab_size,
@@ -484,6 +528,14 @@ def _check_loader_state(plan: RunPlan) -> None:
         raise BadInput(f"--resume auto: checkpoint {plan.ckpt_dir / start.tag}: {exc}") from exc
 
 
+def _check_remote_windows(plan: RunPlan) -> None:
+    """A phase reading a URL: its loader built once here (index.json only, no worker, nothing downloaded), so a
+    ``--cache-limit`` below the look-ahead window is refused before the run writes anything."""
+    for p in plan.phases:
+        if p >= plan.start.phase and any(is_url(s.path) for s in plan.data_sources.get(p, [])):
+            loader_for_phase(plan, p, num_workers=0, verify="size")
+
+
 def _nothing_to_do(plan: RunPlan) -> str | None:
     """A message when the selected phases are already done, or ``--max-steps`` is already reached."""
     start, phases = plan.start, plan.phases
@@ -514,6 +566,7 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     data, data_sources, data_labels = _training_data(args, recipe, phases, rank)
     eval_data = _phase_dirs(args.eval_data, phases, n, "--eval-data")
     eval_sources = {p: parse_sources(spec, "--eval-data", weighted=False) for p, spec in eval_data.items()}
+    _cache_options(args, any(is_url(s.path) for by in (data_sources, eval_sources) for v in by.values() for s in v))
     # The vocabulary is the tokenizer's; every shard set (training and eval, every phase) must agree.
     tokenizer = load_tokenizer(args.tokenizer)
     precision = resolve_precision(recipe.deepspeed.precision, get_accelerator().device_name())
@@ -533,6 +586,7 @@ def plan_run(args: RunArgs, recipe: Recipe, rank: int, world_size: int) -> RunPl
     plan.nothing_to_do = _nothing_to_do(plan)
     if plan.nothing_to_do is None:
         _check_loader_state(plan)
+        _check_remote_windows(plan)
     if rank == 0:
         for warning in cache_dir_warnings():
             log.warning(warning)

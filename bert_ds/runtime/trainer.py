@@ -324,6 +324,7 @@ def _log_step(plan: RunPlan, ph: _Phase, rec: StepRecord, metrics) -> None:
                      nsp_loss=rec.nsp_loss, mlm_accuracy=rec.mlm_accuracy, nsp_accuracy=rec.nsp_accuracy, lr=rec.lr,
                      grad_norm=rec.grad_norm, loss_scale=_loss_scale(ph.te), samples=phase.global_batch_size,
                      step_time=rec.step_time, consumed_samples=ph.consumed)
+    metrics.log_scalars(plan.first_step_of(ph.index) + ph.step, ph.loader.data_scalars(ph.index + 1))
 
 
 def _evaluate_and_maybe_stop(plan: RunPlan, ph: _Phase, metrics, done: bool) -> bool:
