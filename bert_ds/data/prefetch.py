@@ -94,7 +94,7 @@ class Prefetcher:
             self.cache.evict(self._keep, incoming=self._in_flight + incoming)
             self._in_flight += incoming
         try:
-            self.cache.ensure(shard)
+            self.cache.ensure(shard, make_room=False)
         finally:
             with self._lock:
                 self._in_flight -= incoming

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from bert_ds.errors import BadInput, BertDsError
+from bert_ds.errors import BadInput, BertDsError, StepFailed
 
-__all__ = ["ATTEMPTS", "RemoteError", "Store", "is_url", "join_url", "with_retries"]
+__all__ = ["ATTEMPTS", "RemoteError", "Store", "StoreUnavailable", "is_url", "join_url", "with_retries"]
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,13 @@ T = TypeVar("T")
 
 
 class RemoteError(BadInput):
-    """A shard set at a URL that cannot be used: an object missing, corrupt after a re-download, credentials refused,
-    the store unreachable after :data:`ATTEMPTS` tries. One line naming the URL (exit 2)."""
+    """A shard set at a URL that cannot be used: an object missing, corrupt after a re-download, credentials refused.
+    One line naming the URL (exit 2)."""
+
+
+class StoreUnavailable(StepFailed):
+    """The store kept failing transiently (resets, timeouts, 5xx, throttling) through all :data:`ATTEMPTS` tries: not
+    the input's fault, so exit 1, which the supervisors restart from the newest checkpoint (docs/cluster.md)."""
 
 
 def is_url(path: object) -> bool:
@@ -99,9 +104,12 @@ def with_retries(what: str, url: str, store: str, fn: Callable[[], T]) -> T:
             if kind == "credentials":
                 raise RemoteError(f"{store}: the store refused the credentials while {what} {url} ({detail}); "
                                   f"{_credential_hint(url)}") from None
-            if kind == "fatal" or attempt == ATTEMPTS:
-                tries = f" after {attempt} tries" if attempt > 1 else ""
-                raise RemoteError(f"{url}: {what} failed{tries} ({detail})") from None
+            if kind == "fatal":
+                raise RemoteError(f"{url}: {what} failed ({detail})") from None
+            if attempt == ATTEMPTS:
+                raise StoreUnavailable(f"{url}: {what} failed after {attempt} tries ({detail}): the store is "
+                                       f"unreachable or failing for now; the newest checkpoint stands, and a "
+                                       f"supervisor restart (--max-restarts) tries again") from None
             wait = BACKOFF_S * 2 ** (attempt - 1)
             log.warning("%s: %s failed (%s); retry %d of %d in %.1f s", url, what, detail, attempt, ATTEMPTS - 1,
                         wait)

@@ -154,15 +154,19 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
-    def ensure(self, shard: int) -> None:
+    def ensure(self, shard: int, *, make_room: bool = True) -> None:
         """Make shard ``shard`` present and verified in the cache (download it under its lock unless another
-        process of the node did); marks it used (LRU)."""
+        process of the node did); marks it used (LRU). A download first makes room under ``--cache-limit``
+        (:meth:`evict`, least recently used first) unless the caller did (``make_room=False``: the prefetcher,
+        which keeps its window): a reader that needs a shard before its prefetch started stays within the limit."""
         if self.is_cached(shard):
             _touch(self.path(shard))
             return
         start = time.perf_counter()
         with self._shard_lock(self.index.shards[shard].name):
             if not self.is_cached(shard):
+                if make_room:
+                    self.evict({shard}, incoming=self.index.shards[shard].bytes)
                 self._download(shard)
         self.stats[2] += time.perf_counter() - start
 

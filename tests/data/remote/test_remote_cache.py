@@ -128,6 +128,21 @@ def test_dropped_connection_is_retried_and_logged(shard_set, http, tmp_path, cap
     assert len(retries) == 2 and "retry 1 of 5" in retries[0] and "retry 2 of 5" in retries[1], retries
 
 
+def test_a_store_failing_through_every_try_is_retryable_not_bad_input(shard_set, http, tmp_path, monkeypatch):
+    """Still 503 after every try: exit 1 (a supervisor restarts it from the newest checkpoint), naming the URL."""
+    from bert_ds.data import remote
+    from bert_ds.errors import exit_code_of
+
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    http.faults["shard-000001.tar"] = ["503"] * remote.ATTEMPTS
+    cache = ShardCache(f"{http.url}/set/", _options(tmp_path))
+    with pytest.raises(remote.StoreUnavailable, match=rf"^{http.url}/set/shard-000001.tar: .* failed after "
+                                                      rf"{remote.ATTEMPTS} tries \(.*503") as caught:
+        cache.ensure(1)
+    assert exit_code_of(caught.value) == 1 and not isinstance(caught.value, BadInput)
+    assert not list(cache.dir.glob("shard-000001.tar*")) and not list(cache.dir.glob(".shard-000001.tar.*"))
+
+
 def test_corrupt_object_refused_after_one_redownload(shard_set, http, tmp_path):
     http.faults["shard-000002.tar"] = ["corrupt", "corrupt"]
     cache = ShardCache(f"{http.url}/set/", _options(tmp_path))
