@@ -103,7 +103,7 @@ def _release_leaked_deepspeed_shm():
     DeepSpeed's ``shm_initialize`` for ever, waiting for its peer's buffer (seen 2026-11-27 with two sessions)."""
     import time
 
-    from tests.helpers.shm import mapped_shm_paths
+    from bert_ds.lifecycle.restart import mapped_shm_paths
 
     start = time.time() - 1
     yield

@@ -12,15 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.shm import mapped_shm_paths
-
-MAP_AND_WAIT = """
-import mmap, sys
-f = open(sys.argv[1], "r+b")
-m = mmap.mmap(f.fileno(), 4096)
-print("mapped", flush=True)
-sys.stdin.readline()
-"""
+from bert_ds.lifecycle.restart import mapped_shm_paths
+from tests.helpers.shm import MAP_AND_WAIT
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")

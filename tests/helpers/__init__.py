@@ -1,11 +1,13 @@
 """Shared test helpers, imported as ``tests.helpers.<module>`` (pyproject's ``pythonpath = ["."]`` puts the repository
 root on ``sys.path``). Nothing here is a test; ``conftest.py`` files only hold fixtures."""
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from bert_ds.runtime.distributed import free_port
 
-__all__ = ["HANG_GUARD_S", "LAUNCHER_VARS", "child_env", "free_port"]
+__all__ = ["HANG_GUARD_S", "LAUNCHER_VARS", "child_env", "environ", "free_port"]
 
 HANG_GUARD_S = 1800
 """Timeout for a subprocess a test starts: a guard against a hang (a stuck launcher, a lock left by a killed
@@ -27,3 +29,19 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMIX_"))}
     return {**env, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1", **extra}
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """This process's ``os.environ`` with ``values`` set inside the block, as it was after (for code read in the test
+    process itself: a client library, a pre-flight decided in-process)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -20,13 +20,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from tests.helpers import HANG_GUARD_S, child_env
+from tests.helpers import HANG_GUARD_S, child_env, environ
 from tests.helpers.ranks import REPO, rank_command
 
 TINY_CPU = REPO / "ds_configs" / "tiny_cpu.json"
@@ -295,21 +295,6 @@ def _pretrain_at(cmd: list[str]) -> int | None:
     return next((i for i, a in enumerate(cmd) if a.endswith("pretrain.py") or a == "bert_ds.runtime.pretrain"), None)
 
 
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``extra`` set inside the block, as it was after."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _pretrain_argv(cmd: list[str]) -> tuple[int, list[str]]:
     """(ranks, pretrain arguments) of a :func:`~tests.helpers.ranks.rank_command`."""
     at = _pretrain_at(cmd)
@@ -331,7 +316,7 @@ def decide_in_process(launch: Launch) -> Outcome:
     assert launch.trigger is None and launch.preexec is None, "a trigger or preexec needs a launch"
     ranks, argv = _pretrain_argv(launch.cmd)
     start, stderr = time.monotonic(), io.StringIO()
-    with _environ(launch.env):
+    with environ(**launch.env):
         for rank in range(ranks):
             try:
                 with contextlib.redirect_stderr(stderr):
@@ -381,7 +366,7 @@ def call_in_process(launch: Launch) -> Outcome:
     root.setLevel(logging.INFO)
     start = time.monotonic()
     try:
-        with _environ(launch.env), contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        with environ(**launch.env), contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
             try:
                 code = body(argv)
             except SystemExit as exc:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
-import os
 import shutil
 import socket
 import ssl
@@ -17,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from tests.helpers import child_env, free_port
@@ -168,16 +166,3 @@ class HttpStore:
         self.server.server_close()
 
 
-@contextlib.contextmanager
-def environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the body (this process: a client read in the test itself)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

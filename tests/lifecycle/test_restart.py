@@ -20,6 +20,7 @@ from bert_ds import exit_codes
 from bert_ds.exit_codes import ExitCode
 from bert_ds.lifecycle import restart
 from tests.helpers import HANG_GUARD_S
+from tests.helpers.shm import MAP_AND_WAIT
 
 
 @pytest.mark.parametrize(("code", "restarted"), [
@@ -80,15 +81,6 @@ def test_the_port_is_free_only_once_its_listener_is_gone():
         assert not restart.port_free(port)
         assert restart.wait_port_free(port, timeout_s=0.5, poll_s=0.1) is None
     assert restart.port_free(port) and restart.wait_port_free(port, timeout_s=0.5) == pytest.approx(0, abs=0.1)
-
-
-MAP_AND_WAIT = """
-import mmap, sys
-f = open(sys.argv[1], "r+b")
-m = mmap.mmap(f.fileno(), 4096)
-print("mapped", flush=True)
-sys.stdin.readline()
-"""
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")

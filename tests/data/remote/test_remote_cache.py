@@ -26,8 +26,8 @@ from bert_ds.data.remote import RemoteError
 from bert_ds.data.shard_cache import CacheOptions, ShardCache, parse_size
 from bert_ds.data.synthetic import sample_ids_of_batch, write_synthetic_shards
 from bert_ds.errors import BadInput, StorageError
-from tests.helpers import child_env
-from tests.helpers.object_store import HttpStore, MotoServer, environ, s3_env
+from tests.helpers import child_env, environ
+from tests.helpers.object_store import HttpStore, MotoServer, s3_env
 
 _SPECIALS = {"cls_id": 2, "sep_id": 3, "mask_id": 4}
 _LOADER = {"global_batch_size": 16, "micro_batch_size": 4, "shuffle_window_shards": 2, "seed": 5}
