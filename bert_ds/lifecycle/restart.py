@@ -64,7 +64,7 @@ LOG_NAME = "restarts.jsonl"
 NEVER_RESTARTED = {
     ExitCode.BAD_INPUT: "bad input: a restart would repeat it",
     ExitCode.NONFINITE: "a non-finite loss: a restart would repeat it",
-    ExitCode.IO_ERROR: "a full disk or an I/O error: free space or fix the mount first",
+    ExitCode.IO_ERROR: "a full disk or an I/O error, which a person must clear (free space, fix the mount)",
     ExitCode.PREEMPTED: "pre-empted: the job is being stopped",
 }
 OWN_OPTIONS = ("--max-restarts", "--restart-backoff")
