@@ -140,9 +140,6 @@ def test_inductor_step_is_reproducible_and_draws_its_own_masks(tmp_path, monkeyp
     reproduces the masks); dropout off, the compiled step equals the eager one to fp32 rounding; dropout on, it draws
     other masks than eager (the documented difference: compiled runs resume against compiled runs)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no worker pool competing for the 2 cores
     torch._dynamo.reset()
     batch = _batch(random.Random(3))
     for dropout in (0.1, 0.0):
