@@ -4,9 +4,10 @@
 #   g++                         DeepSpeed JIT-compiles its CPU shared-memory comm extension (deepspeed_shm_comm)
 #   libopenmpi-dev, openmpi-bin mpi4py and `mpirun -np N`
 #   time                        /usr/bin/time -v in docs/data.md's commands (run by tests/test_doc_commands.py)
+#   openssl                     the self-signed certificate of the https shard store tests/data/remote starts
 # As root it calls apt-get directly (there may be no sudo); as a user through sudo. Elsewhere it names what is missing.
 set -euo pipefail
-packages=(python3-venv python3-dev g++ libopenmpi-dev openmpi-bin time)
+packages=(python3-venv python3-dev g++ libopenmpi-dev openmpi-bin time openssl)
 if ! command -v dpkg-query >/dev/null 2>&1; then
     echo "system_packages.sh: not a Debian/Ubuntu system; make sure these (or their equivalents) are installed:" \
          "${packages[*]}" >&2
