@@ -33,7 +33,7 @@ from bert_ds.deepspeed_internals import shm_comm_builder
 
 __all__ = ["BRIEF_LOCK_S", "HOLDER_LOCK_NAME", "NETWORK_FILESYSTEMS", "NODE_LOCAL_CACHE_VARS", "build_identity",
            "build_tools_path", "cache_dir_warnings", "extension_build_locks", "extensions_root", "filesystem_of",
-           "holding_build_lock", "load_extensions", "node_local_caches", "pin_build_environment",
+           "holding_build_lock", "load_extensions", "node_local_caches", "node_local_root", "pin_build_environment",
            "use_node_local_caches", "WAIT_NOTE_AFTER_S"]
 
 log = logging.getLogger(__name__)
@@ -269,11 +269,16 @@ def node_local_caches(env: Mapping[str, str]) -> dict[str, str]:
     same Triton kernel race on one cache entry (triton#2688, #11512; fixed for some cases by PR#11319) and torch's
     extension build lock can be left behind. Node-local per job: ranks of one node share a local file system, whose
     renames are atomic. Outside Slurm nothing is set (pre-flight warns when a cache sits on a network file system)."""
-    job = env.get("SLURM_JOB_ID")
-    if not job:
+    root = node_local_root(env)
+    if root is None:
         return {}
-    root = f"{env.get('TMPDIR') or '/tmp'}/bert_ds-{job}"
     return {var: f"{root}/{name}" for var, name in NODE_LOCAL_CACHE_VARS.items() if not env.get(var)}
+
+
+def node_local_root(env: Mapping[str, str]) -> str | None:
+    """The Slurm job's node-local directory, ``${TMPDIR:-/tmp}/bert_ds-$SLURM_JOB_ID`` (None outside a job)."""
+    job = env.get("SLURM_JOB_ID")
+    return f"{env.get('TMPDIR') or '/tmp'}/bert_ds-{job}" if job else None
 
 
 def use_node_local_caches(env: MutableMapping[str, str]) -> dict[str, str]:

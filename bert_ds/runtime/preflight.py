@@ -208,10 +208,11 @@ def default_shard_cache_dir(env: dict | None = None) -> str:
     outside Slurm ``${TMPDIR:-/tmp}/bert_ds-shards``."""
     import os
 
+    from bert_ds.runtime.caches import node_local_root
+
     env = os.environ if env is None else env
-    tmp = env.get("TMPDIR") or "/tmp"
-    job = env.get("SLURM_JOB_ID")
-    return f"{tmp}/bert_ds-{job}/shards" if job else f"{tmp}/bert_ds-shards"
+    root = node_local_root(env)
+    return f"{root}/shards" if root else f"{env.get('TMPDIR') or '/tmp'}/bert_ds-shards"
 
 
 def _cache_options(args: RunArgs, uses_urls: bool, mounts_text: str | None = None) -> None:
