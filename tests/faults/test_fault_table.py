@@ -42,7 +42,6 @@ from tests.helpers.faults import (
     Launch,
     Outcome,
     Trigger,
-    execute,
     fault_recipe,
     first_member,
     kill_loader_worker,
@@ -56,7 +55,7 @@ from tests.helpers.faults import (
     tool_cmd,
 )
 from tests.helpers.faults import FaultCase as Case
-from tests.helpers.ranks import rank_command
+from tests.helpers.ranks import rank_command, spawn_ranks
 from tests.helpers.runs import assert_close_params, weights
 
 LAUNCHER_EXIT = r"launch\.py:\d+:sigkill_handler\].*exits with return code"
@@ -126,9 +125,9 @@ def _identical(run: Path, reference: Path, tags: tuple[str, ...] = (PHASE1_END, 
 
 
 def _resume_exactly(ctx: Ctx, *extra: str) -> str:
-    """Finish the interrupted run with ``--resume auto`` on 2 ranks: both phase ends bit-identical to the reference."""
-    done = execute(Launch(rank_command(2, ctx.args("--resume", "auto", *extra))))
-    assert done.returncode == 0 and not done.survivors, done.text()[-4000:]
+    """Finish the interrupted run with ``--resume auto`` on 2 ranks (spawned directly: the row's command was the
+    launched one): both phase ends bit-identical to the reference."""
+    spawn_ranks(2, ctx.args("--resume", "auto", *extra), check=True)
     _identical(ctx.run, ctx.fixture("reference_run"))
     return f"resumed to {FINAL_TAG}: weights bit-identical to the uninterrupted run (dropout 0.1)"
 

@@ -21,7 +21,7 @@ import torch
 
 from bert_ds import checkpoint as ckpt
 from tests.helpers.faults import FINAL_TAG, PHASE1_END, Launch, Trigger, execute, fault_recipe, report_row
-from tests.helpers.ranks import rank_command
+from tests.helpers.ranks import rank_command, spawn_ranks
 from tests.helpers.runs import weights
 
 pytestmark = pytest.mark.e2e
@@ -49,9 +49,8 @@ def _signalled_run(tmp_path: Path, shards_128: Path, shards_512: Path, tokenizer
 
 def _resumes_exactly(run: Path, recipe: Path, shards_128: Path, shards_512: Path, tokenizer: Path,
                      reference: Path) -> None:
-    done = execute(Launch(rank_command(2, _args(recipe, shards_128, shards_512, tokenizer, run, "--num-workers", "1",
-                                                "--resume", "auto"))))
-    assert done.returncode == 0 and not done.survivors, done.text()[-4000:]
+    spawn_ranks(2, _args(recipe, shards_128, shards_512, tokenizer, run, "--num-workers", "1", "--resume", "auto"),
+                check=True)
     _identical(run, reference)
 
 

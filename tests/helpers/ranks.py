@@ -5,18 +5,28 @@ command) on a free port (it starts one process per "GPU", on CPU ranks with gloo
 fails); one rank runs without a launcher (``bert_ds.runtime.pretrain`` then sets up a one-rank group itself).
 Every process gets :func:`tests.helpers.child_env`. Tests of the launch paths themselves (hostfile, mpirun, srun)
 build those launchers' command lines around :data:`DEEPSPEED`.
+
+Tests of what the ranks compute (resume exactness, checkpoints, recipes), not of how they are launched, start them
+with :func:`spawn_ranks`: the test process sets the variables and the ``--local_rank`` argument DeepSpeed's
+``launch.py`` hands each rank and starts the ranks itself. The three launcher interpreters of a ``bert-ds deepspeed``
+launch (supervisor, runner, ``launch.py``, each importing torch and DeepSpeed) cost about 4 of its 19 CPU seconds on
+2 cores; the ranks, DeepSpeed's engine and gloo are the same.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 
-__all__ = ["DEEPSPEED", "PRETRAIN_SCRIPT", "REPO", "VENV_BIN", "rank_command", "run_module_ranks", "run_ranks"]
+__all__ = ["DEEPSPEED", "PRETRAIN_SCRIPT", "REPO", "VENV_BIN", "rank_command", "run_module_ranks", "run_ranks",
+           "spawn_ranks"]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -46,17 +56,84 @@ def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = Fa
     return proc
 
 
+def _launcher_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
+    """What DeepSpeed's ``launch.py`` sets for local rank ``rank`` of ``nprocs`` on one node."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs), "CROSS_RANK": "0",
+            "CROSS_SIZE": "1", "LOCAL_SIZE": str(nprocs), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+
+
+def _end_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM every live process, SIGKILL what is left after ``grace`` seconds (as ``launch.py`` ends its ranks)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def spawn_ranks(nprocs: int, args: Sequence[str] = (), script: str | Path | None = None, *,
+                timeout: float = HANG_GUARD_S, check: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """Run ``python -u SCRIPT --local_rank=I ARGS`` for I in 0..N-1 as DeepSpeed's ``launch.py`` would, without the
+    launchers: when one rank fails the others are ended and its exit code is returned (the first failure's); on
+    the hang guard every rank is killed and ``subprocess.TimeoutExpired`` raised. stdout and stderr hold each rank's
+    output in rank order. ``check``: as :func:`run_ranks`."""
+    script = str(script or PRETRAIN_SCRIPT)
+    cmd = [sys.executable, "-u", script, *args]
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bert_ds-ranks-") as logs:
+        outs = [open(Path(logs) / f"{r}.out", "w+") for r in range(nprocs)]  # noqa: SIM115 - closed below
+        errs = [open(Path(logs) / f"{r}.err", "w+") for r in range(nprocs)]  # noqa: SIM115 - closed below
+        procs = [subprocess.Popen([*cmd[:3], f"--local_rank={r}", *cmd[3:]], cwd=REPO,
+                                  env=child_env(**_launcher_env(r, nprocs, port), **env), stdout=outs[r],
+                                  stderr=errs[r]) for r in range(nprocs)]
+        deadline, code = time.monotonic() + timeout, 0
+        try:
+            while code == 0 and any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                code = next((p.returncode for p in procs if p.returncode not in (None, 0)), 0)
+                time.sleep(0.05)
+            code = code or next((p.returncode for p in procs if p.returncode), 0)
+        finally:
+            _end_all(procs)
+        text = []
+        for files in (outs, errs):
+            for f in files:
+                f.seek(0)
+            text.append("".join(f.read() for f in files))
+            for f in files:
+                f.close()
+    proc = subprocess.CompletedProcess([*cmd[:3], "--local_rank=I", *cmd[3:]], code, *text)
+    if check and code != 0:
+        raise AssertionError(f"{' '.join(proc.args)} exited {code} (ranks spawned directly)\n--- stdout\n"
+                             f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def run_module_ranks(world_size: int, out_dir: Path, module: str, args: list[str]) -> None:
     """Run ``python -m module args`` on ``world_size`` CPU ranks (gloo), one process per rank; raise with the failed
     ranks' log tails. Ranks are spawned directly with the torch.distributed env variables (what the ``deepspeed``
-    launcher sets) to keep runs short on a shared 2-core machine."""
+    launcher sets) to keep runs short on a shared 2-core machine. These modules start DeepSpeed without
+    ``bert_ds.runtime``, which would pin its extension directory: they are pointed at the same one
+    (:func:`~bert_ds.runtime.caches.extensions_root`, built by ``make venv``, and the venv's ninja first on ``PATH``,
+    :func:`~bert_ds.runtime.caches.build_tools_path`), not torch's default, where DeepSpeed would compile its
+    shared-memory extension again (a minute of both cores)."""
+    from bert_ds.runtime.caches import build_tools_path, extensions_root
+
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
     for rank in range(world_size):
         env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO),
+                   TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(extensions_root()),
+                   PATH=build_tools_path())
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, "-m", module, *args]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))

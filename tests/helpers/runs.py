@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tests.helpers import HANG_GUARD_S, child_env
-from tests.helpers.ranks import REPO, VENV_BIN, rank_command, run_ranks
+from tests.helpers.ranks import REPO, VENV_BIN, rank_command, run_ranks, spawn_ranks
 
 __all__ = ["REPO", "SMALL_RECIPE", "VENV_BIN", "assert_close_params", "param_diffs", "run_pretrain",
            "run_until_signalled", "tensorboard_scalars", "weights", "write_recipe"]
@@ -46,8 +46,9 @@ def write_recipe(path: Path, base: dict | None = None, **changes) -> Path:
 
 def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S, check: bool = True,
                  ) -> subprocess.CompletedProcess:
-    """``python -m bert_ds.runtime.pretrain`` (1 process) or ``deepspeed --num_gpus N bert_ds/runtime/pretrain.py`` (N
-    CPU ranks).
+    """``python -m bert_ds.runtime.pretrain`` (1 process) or N CPU ranks of ``bert_ds/runtime/pretrain.py`` started
+    as DeepSpeed's ``launch.py`` starts them (:func:`~tests.helpers.ranks.spawn_ranks`: these tests are about what
+    the ranks compute; the launch command's own behaviour is tests/faults', tests/lifecycle's and tests/launch's).
 
     Without a ``--tokenizer`` in ``args``, the one ``synthetic_data`` writes beside the first ``--data`` directory is
     passed (the flag is required)."""
@@ -55,7 +56,9 @@ def run_pretrain(args: list[str], nprocs: int = 1, timeout: float = HANG_GUARD_S
         synthetic_tokenizer = Path(args[args.index("--data") + 1]).parent / "tokenizer"
         if synthetic_tokenizer.is_dir():
             args = [*args, "--tokenizer", str(synthetic_tokenizer)]
-    return run_ranks(rank_command(nprocs, args), timeout=timeout, check=check)
+    if nprocs == 1:
+        return run_ranks(rank_command(1, args), timeout=timeout, check=check)
+    return spawn_ranks(nprocs, args, timeout=timeout, check=check)
 
 
 def run_until_signalled(recipe: Path, data: tuple[Path, Path], run: Path, sig: int = signal.SIGUSR1,
