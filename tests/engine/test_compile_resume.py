@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers import HANG_GUARD_S
 from tests.helpers.faults import Launch, Trigger, execute, fault_recipe, kill_rank
-from tests.helpers.ranks import rank_command
+from tests.helpers.ranks import rank_command, spawn_ranks
 from tests.helpers.runs import weights
 
 # Three launches that each compile (the first cold, the others from the shared inductor cache) on 2 busy cores.
@@ -36,9 +36,10 @@ def test_compiled_tiny_cpu_resumes_bit_exact_after_kill_9(shards_128, shards_512
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     common = (shards_128, shards_512, tokenizer_dir)
 
-    straight = execute(Launch(rank_command(2, _args(recipe, tmp_path / "straight", *common)), env=env))
-    assert straight.returncode == 0, straight.text()[-4000:]
-    compiles = [int(n) for n in re.findall(r"torch\.compile built (\d+) graph", straight.text())]
+    # The uninterrupted run and the resume are spawned directly (tests.helpers.ranks.spawn_ranks); the kill needs the
+    # launcher's process tree.
+    straight = spawn_ranks(2, _args(recipe, tmp_path / "straight", *common), check=True, **env)
+    compiles = [int(n) for n in re.findall(r"torch\.compile built (\d+) graph", straight.stdout + straight.stderr)]
     assert len(compiles) == 2 and all(n <= 6 for n in compiles), compiles  # logged once per phase, within the bound
 
     killed = tmp_path / "killed"
@@ -47,8 +48,7 @@ def test_compiled_tiny_cpu_resumes_bit_exact_after_kill_9(shards_128, shards_512
                          env=env))
     assert out.fault is not None and out.returncode != 0, out.text()[-4000:]
     assert (killed / "checkpoints" / "latest").read_text() == "phase1-step000002"
-    resumed = execute(Launch(rank_command(2, _args(recipe, killed, *common, "--resume", "auto")), env=env))
-    assert resumed.returncode == 0, resumed.text()[-4000:]
+    spawn_ranks(2, _args(recipe, killed, *common, "--resume", "auto"), check=True, **env)
 
     for tag in TAGS:
         got, want = weights(killed, tag), weights(tmp_path / "straight", tag)

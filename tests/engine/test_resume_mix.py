@@ -19,7 +19,7 @@ import torch
 
 from bert_ds import checkpoint as ckpt
 from tests.helpers.faults import TINY_CPU, Launch, Outcome, Trigger, execute, kill_rank
-from tests.helpers.ranks import rank_command
+from tests.helpers.ranks import rank_command, spawn_ranks
 from tests.helpers.runs import assert_close_params, param_diffs, weights
 
 pytestmark = pytest.mark.e2e
@@ -72,8 +72,8 @@ def mixed(mix_shards_128, tokenizer_dir, tmp_path_factory) -> tuple[Path, Path]:
     """(root with the recipe, the uninterrupted 2-rank mixed run)."""
     root = tmp_path_factory.mktemp("mix_resume")
     _recipe(root / "recipe.json")
-    done = _ran(execute(Launch(rank_command(2, _args(root, mix_shards_128, tokenizer_dir, root / "straight")))))
-    assert "data mix over 6 global batches" in done.text(), done.text()[-3000:]
+    done = spawn_ranks(2, _args(root, mix_shards_128, tokenizer_dir, root / "straight"), check=True)
+    assert "data mix over 6 global batches" in done.stdout + done.stderr, done.stderr[-3000:]
     return root, root / "straight"
 
 
@@ -101,8 +101,8 @@ def test_killed_mixed_run_resumes_bit_identical_on_the_same_ranks(mixed, killed,
     root, straight = mixed
     run = tmp_path / "run"
     shutil.copytree(killed, run)
-    done = _ran(execute(Launch(rank_command(2, _args(root, mix_shards_128, tokenizer_dir, run, "--resume", "auto")))))
-    assert "resumed phase1-step000002" in done.text(), done.text()[-3000:]
+    done = spawn_ranks(2, _args(root, mix_shards_128, tokenizer_dir, run, "--resume", "auto"), check=True)
+    assert "resumed phase1-step000002" in done.stdout + done.stderr, done.stderr[-3000:]
     for tag in TAGS:
         got, want = weights(run, tag), weights(straight, tag)
         assert got.keys() == want.keys()

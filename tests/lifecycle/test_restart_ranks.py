@@ -26,7 +26,7 @@ from bert_ds.lifecycle import restart
 from bert_ds.lifecycle.hostfile import hosts_from_list, write_hostfile
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.faults import Launch, Trigger, execute, fault_recipe, kill_rank, ranks
-from tests.helpers.ranks import PRETRAIN_SCRIPT, REPO, rank_command
+from tests.helpers.ranks import PRETRAIN_SCRIPT, REPO, spawn_ranks
 from tests.helpers.runs import weights
 
 pytestmark = pytest.mark.e2e
@@ -60,10 +60,9 @@ def data(shards_128, shards_512, tokenizer_dir) -> tuple[Path, Path, Path]:
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The uninterrupted run's final weights (2 ranks, no restart)."""
+    """The uninterrupted run's final weights (2 ranks spawned directly, no supervisor: nothing to restart)."""
     tmp = tmp_path_factory.mktemp("reference")
-    out = execute(Launch(rank_command(2, _args(tmp, data))))
-    assert out.returncode == 0, out.text()[-4000:]
+    spawn_ranks(2, _args(tmp, data), check=True)
     assert ckpt.read_latest(tmp / "run" / "checkpoints") == FINAL
     return weights(tmp / "run", FINAL)
 

@@ -22,7 +22,7 @@ import torch
 from bert_ds.data.index import ShardIndex
 from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.object_store import HttpStore, MotoServer, s3_env, self_signed_cert
-from tests.helpers.ranks import REPO, rank_command, run_ranks
+from tests.helpers.ranks import REPO, rank_command, run_ranks, spawn_ranks
 from tests.helpers.runs import tensorboard_scalars, weights, write_recipe
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +65,11 @@ def _args(data: dict, source: str, run: Path, *extra: str) -> list[str]:
 
 def _pretrain(data: dict, source: str, run: Path, *extra: str, nprocs: int = 2, check: bool = True,
               **env: str) -> subprocess.CompletedProcess:
-    return run_ranks(rank_command(nprocs, _args(data, source, run, *extra)), check=check, **env)
+    """Ranks spawned directly (:func:`~tests.helpers.ranks.spawn_ranks`) when more than one: the store is under test
+    here, not the launch."""
+    if nprocs == 1:
+        return run_ranks(rank_command(1, _args(data, source, run, *extra)), check=check, **env)
+    return spawn_ranks(nprocs, _args(data, source, run, *extra), check=check, **env)
 
 
 def _assert_same_weights(run: Path, reference: Path, tag: str = _FINAL) -> None:
