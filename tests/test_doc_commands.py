@@ -83,6 +83,8 @@ RULES: dict[str, list[Rule]] = {
     "docs/benchmarks.md": [
         Rule(r"^bert-ds-benchmark", "covered", BENCH),
         Rule(r"^python tools/bench_(create|loader|lamb)\.py", "cannot", TIMING),
+        Rule(r"^python -m bert_ds\.devtools\.suite_profile .* -- make test", "covered",
+             "tests/test_suite_profile.py::test_cpu_is_charged_to_the_test_that_started_the_process"),
     ],
     "docs/cluster.md": [
         Rule(r"^FOLLOWUPS=5 slurm/submit_chain\.sh", "covered",
