@@ -32,8 +32,8 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-__all__ = ["SUPPORTED_TRITON", "LateJIT", "Launch", "Specialization", "compiler_mode_problem", "interpreter_enabled",
-           "late_jit", "record_launches", "recording", "specialize", "triton_version_problem"]
+__all__ = ["SUPPORTED_TRITON", "LateJIT", "Launch", "Specialization", "compiler_mode_problem", "constant_for_dynamo",
+           "interpreter_enabled", "late_jit", "record_launches", "recording", "specialize", "triton_version_problem"]
 
 SUPPORTED_TRITON = ((3, 9), (3, 10))
 """Triton versions the kernels are tested with: >= 3.9, < 3.10. The interpreter work-arounds in the kernels (bf16
@@ -55,7 +55,16 @@ def triton_version_problem(version: str | None = None) -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result  # read when a graph is traced (dynamo cannot trace triton's knobs)
+def constant_for_dynamo(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (2 CPU seconds, paid by every
+    command that imports the model): torch's decorator only sets this attribute (``torch/_dynamo/decorators.py``,
+    torch 2.13; ``tests/kernels/test_custom_ops.py`` checks that it still does). Dynamo then reads ``fn``'s result
+    once when it traces a graph and keeps it as a constant."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_for_dynamo  # read when a graph is traced (dynamo cannot trace triton's knobs)
 def interpreter_enabled() -> bool:
     """True when Triton kernels would run under the CPU interpreter (``TRITON_INTERPRET=1``).
 
@@ -89,7 +98,7 @@ class Launch:
 _RECORDING: ContextVar[list[Launch] | None] = ContextVar("bert_ds_kernel_recording", default=None)
 
 
-@torch.compiler.assume_constant_result
+@constant_for_dynamo
 def recording() -> bool:
     """True inside :func:`record_launches`: launches are recorded as a CUDA device would issue them.
 

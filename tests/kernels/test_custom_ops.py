@@ -127,3 +127,21 @@ def test_a_training_layer_with_every_triton_kernel_is_one_graph(last):
     explained = torch._dynamo.explain(layer)(x, mask.bool(), rows, unpadding)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+def test_the_constant_mark_is_the_one_torch_sets():
+    """``jit.constant_for_dynamo`` stands in for ``torch.compiler.assume_constant_result`` (which would import dynamo
+    with the model): on this torch both mark a function the same way, and dynamo folds the marked knob reads of a
+    compiled kernel call (the test above compiles with ``fullgraph=True``)."""
+    from bert_ds.kernels import jit
+
+    def ours():
+        return True
+
+    def theirs():
+        return True
+
+    assert jit.constant_for_dynamo(ours) is ours and torch.compiler.assume_constant_result(theirs) is theirs
+    assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
+    assert vars(jit.interpreter_enabled).get("_dynamo_marked_constant") is True
+    assert vars(jit.recording).get("_dynamo_marked_constant") is True
