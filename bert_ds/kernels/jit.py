@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-import torch
 import triton
 import triton.language as tl
 from triton import knobs
