@@ -15,7 +15,6 @@ launch (supervisor, runner, ``launch.py``, each importing torch and DeepSpeed) c
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -82,20 +81,20 @@ def spawn_ranks(nprocs: int, args: Sequence[str] = (), script: str | Path | None
     launchers: when one rank fails the others are ended and its exit code is returned (the first failure's); on
     the hang guard every rank is killed and ``subprocess.TimeoutExpired`` raised. stdout and stderr hold each rank's
     output in rank order. ``check``: as :func:`run_ranks`."""
-    script = str(script or PRETRAIN_SCRIPT)
-    cmd = [sys.executable, "-u", script, *args]
+    def argv(rank: int | str) -> list[str]:
+        return [sys.executable, "-u", str(script or PRETRAIN_SCRIPT), f"--local_rank={rank}", *args]
+
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bert_ds-ranks-") as logs:
         outs = [open(Path(logs) / f"{r}.out", "w+") for r in range(nprocs)]  # noqa: SIM115 - closed below
         errs = [open(Path(logs) / f"{r}.err", "w+") for r in range(nprocs)]  # noqa: SIM115 - closed below
-        procs = [subprocess.Popen([*cmd[:3], f"--local_rank={r}", *cmd[3:]], cwd=REPO,
-                                  env=child_env(**_launcher_env(r, nprocs, port), **env), stdout=outs[r],
-                                  stderr=errs[r]) for r in range(nprocs)]
+        procs = [subprocess.Popen(argv(r), cwd=REPO, env=child_env(**_launcher_env(r, nprocs, port), **env),
+                                  stdout=outs[r], stderr=errs[r]) for r in range(nprocs)]
         deadline, code = time.monotonic() + timeout, 0
         try:
             while code == 0 and any(p.poll() is None for p in procs):
                 if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
+                    raise subprocess.TimeoutExpired(argv("I"), timeout)
                 code = next((p.returncode for p in procs if p.returncode not in (None, 0)), 0)
                 time.sleep(0.05)
             code = code or next((p.returncode for p in procs if p.returncode), 0)
@@ -108,7 +107,7 @@ def spawn_ranks(nprocs: int, args: Sequence[str] = (), script: str | Path | None
             text.append("".join(f.read() for f in files))
             for f in files:
                 f.close()
-    proc = subprocess.CompletedProcess([*cmd[:3], "--local_rank=I", *cmd[3:]], code, *text)
+    proc = subprocess.CompletedProcess(argv("I"), code, *text)
     if check and code != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {code} (ranks spawned directly)\n--- stdout\n"
                              f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
@@ -132,7 +131,7 @@ def run_module_ranks(world_size: int, out_dir: Path, module: str, args: list[str
         env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO),
-                   TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(extensions_root()),
+                   TORCH_EXTENSIONS_DIR=str(extensions_root()),
                    PATH=build_tools_path())
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, "-m", module, *args]
