@@ -660,6 +660,15 @@ def _run(args: FinetuneArgs) -> int:
         # accelerate (under Trainer) imports deepspeed when it is installed, which then warns that it "was unable to
         # detect" a GPU; name the CPU accelerator it would pick anyway.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.deepspeed is not None:
+        # DeepSpeed's CPU backend builds its shared-memory extension when Trainer starts it: build or load it where
+        # pre-training does, under the same lock, with this interpreter's ninja (bert_ds.runtime.caches), rather than
+        # in torch's default directory, where it would be built again (a minute of a core per rank).
+        from bert_ds.runtime.caches import extensions_root, load_extensions
+
+        loaded = load_extensions()
+        if loaded:
+            log.info("JIT extensions %s loaded from %s", ", ".join(loaded), extensions_root())
     metrics = finetune(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wrote {args.out}: {metrics['steps']} steps, mean training loss {metrics['train_loss']:.4f}")

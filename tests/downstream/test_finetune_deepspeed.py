@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bert_ds.runtime.caches import extensions_root
 from tests.helpers.downstream_data import write_sst2
 from tests.helpers.hf_export import random_tiny_export
 from tests.helpers.ranks import REPO, rank_command, run_ranks
@@ -45,3 +46,6 @@ def test_finetune_on_two_deepspeed_cpu_ranks(tokenizer_dir, corpus_documents, tm
     start = before.get(name, before.get(name.removeprefix("bert.")))
     assert start is not None and not torch.equal(start, after[name])
     assert "DeepSpeed" in proc.stdout + proc.stderr
+    # DeepSpeed's shared-memory extension is the one pre-training builds (bert_ds.runtime.caches), not a second build
+    # in torch's default directory.
+    assert f"JIT extensions deepspeed_shm_comm loaded from {extensions_root()}" in proc.stderr, proc.stderr[-3000:]
