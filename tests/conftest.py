@@ -1,5 +1,6 @@
 """Session fixtures shared by all bert_ds tests: a real English corpus built from text on every Debian machine, a
-WordPiece vocabulary trained on it, and small shard sets at sequence length 128 and 512. No network."""
+WordPiece vocabulary trained on it, and small shard sets at sequence length 128 and 512. No network. Each is built
+once per test session, whichever worker asks first (``tests.helpers.shared.built_once``), and only read."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from bert_ds.data.english_corpus import build_english_corpus
+from tests.helpers.shared import built_once
 
 
 @pytest.fixture(scope="session")
 def english_corpus(tmp_path_factory) -> Path:
     """Path to a real English corpus (GPL/Apache/... license texts + Python stdlib docstrings) in BERT layout."""
-    return build_english_corpus(tmp_path_factory.mktemp("corpus") / "english.txt")
+    return built_once(tmp_path_factory, "corpus", lambda d: build_english_corpus(d / "english.txt")) / "english.txt"
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +29,8 @@ def tokenizer_dir(english_corpus, tmp_path_factory) -> Path:
     """An uncased WordPiece vocabulary (4,000 tokens) trained on ``english_corpus``."""
     from bert_ds.data.tokenizer import train_tokenizer
 
-    return train_tokenizer([english_corpus], tmp_path_factory.mktemp("tokenizer"), vocab_size=4000)
+    return built_once(tmp_path_factory, "tokenizer",
+                      lambda d: train_tokenizer([english_corpus], d, vocab_size=4000))
 
 
 @pytest.fixture(scope="session")
@@ -35,10 +38,9 @@ def shards_128(english_corpus, tokenizer_dir, tmp_path_factory) -> Path:
     """A seq-128 shard set (seed 1234, dupe factor 2, several shards of ~1,000 samples) with its index.json."""
     from bert_ds.data.create import create_shards
 
-    out = tmp_path_factory.mktemp("shards_128")
-    create_shards([english_corpus], tokenizer_dir, out, seq_len=128, dupe_factor=2, seed=1234,
-                  samples_per_shard=1000, progress=False)
-    return out
+    return built_once(tmp_path_factory, "shards_128", lambda out: create_shards(
+        [english_corpus], tokenizer_dir, out, seq_len=128, dupe_factor=2, seed=1234, samples_per_shard=1000,
+        progress=False))
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +48,9 @@ def shards_512(english_corpus, tokenizer_dir, tmp_path_factory) -> Path:
     """A seq-512 shard set (seed 1234, dupe factor 2, several shards of ~250 samples) with its index.json."""
     from bert_ds.data.create import create_shards
 
-    out = tmp_path_factory.mktemp("shards_512")
-    create_shards([english_corpus], tokenizer_dir, out, seq_len=512, dupe_factor=2, seed=1234,
-                  samples_per_shard=250, progress=False)
-    return out
+    return built_once(tmp_path_factory, "shards_512", lambda out: create_shards(
+        [english_corpus], tokenizer_dir, out, seq_len=512, dupe_factor=2, seed=1234, samples_per_shard=250,
+        progress=False))
 
 
 @pytest.fixture(scope="session")
@@ -59,13 +60,13 @@ def mix_shards_128(tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
     from bert_ds.data.create import create_shards
     from bert_ds.data.english_corpus import build_corpus_by_kind
 
-    root = tmp_path_factory.mktemp("mix_sources")
-    out = {}
-    for name, text in build_corpus_by_kind(root / "text").items():
-        out[name] = root / f"{name}128"
-        create_shards([text], tokenizer_dir, out[name], seq_len=128, dupe_factor=2, seed=1234,
-                      samples_per_shard=300, progress=False)
-    return out
+    def build(root: Path) -> None:
+        for name, text in build_corpus_by_kind(root / "text").items():
+            create_shards([text], tokenizer_dir, root / f"{name}128", seq_len=128, dupe_factor=2, seed=1234,
+                          samples_per_shard=300, progress=False)
+
+    root = built_once(tmp_path_factory, "mix_sources", build)
+    return {path.name.removesuffix("128"): path for path in sorted(root.glob("*128"))}
 
 
 def read_shard_set(directory: Path) -> list[tuple[str, str, object]]:

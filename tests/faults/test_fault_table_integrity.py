@@ -452,8 +452,11 @@ CASES = [
 @pytest.fixture(scope="module")
 def trained_export(trained_run, tmp_path_factory) -> Path:
     """The Hugging Face export of ``trained_run`` (vocab.txt and tokenizer.json included)."""
-    out = tmp_path_factory.mktemp("integrity_export") / "hf"
-    done = execute(Launch(tool_cmd("convert_checkpoint.py", ["--checkpoint", str(trained_run / "checkpoints"),
+    root = tmp_path_factory.mktemp("integrity_export")
+    # A reader marks the tag it reads (CKPT/.<tag>.readers): convert a copy, as trained_run is shared read-only.
+    shutil.copytree(trained_run, root / "run")
+    out = root / "hf"
+    done = execute(Launch(tool_cmd("convert_checkpoint.py", ["--checkpoint", str(root / "run" / "checkpoints"),
                                                              "--out", str(out)])))
     assert done.returncode == 0, done.text()[-4000:]
     return out

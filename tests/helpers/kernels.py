@@ -55,3 +55,33 @@ def assert_matches_twin(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
         torch.testing.assert_close(got, want, **fp32_tol, msg=lambda m: f"{what}: {m}")
     else:
         assert_within_rounding(got, want, dtype, what)
+
+
+def kernel_report(tmp_path_factory) -> dict:
+    """One ``bert-ds-kernel-report --controls --json`` run per test session (``tests.helpers.shared.built_once``):
+    its JSON report plus ``returncode`` and ``output`` (stdout, then stderr). The SASS tests and the command's own
+    test read the same run: each run AOT-compiles ~50 builds and disassembles them (~40 CPU-s on 2 cores)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import HANG_GUARD_S, child_env
+    from tests.helpers.shared import built_once
+
+    def build(out: Path) -> None:
+        # AOT compilation needs triton imported without the interpreter, hence a process of its own.
+        command = [str(Path(sys.executable).parent / "bert-ds-kernel-report"), "--controls", "--json",
+                   str(out / "report.json")]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S,
+                                env=child_env(TRITON_INTERPRET="0"), cwd=Path(__file__).resolve().parents[2])
+        (out / "run.json").write_text(json.dumps({"returncode": result.returncode, "stdout": result.stdout,
+                                                  "stderr": result.stderr}))
+
+    out = built_once(tmp_path_factory, "kernel_report", build)
+    run = json.loads((out / "run.json").read_text())
+    assert (out / "report.json").exists(), run["stdout"] + run["stderr"]
+    report = json.loads((out / "report.json").read_text())
+    report["returncode"], report["stdout"], report["output"] = run["returncode"], run["stdout"], \
+        run["stdout"] + run["stderr"]
+    return report

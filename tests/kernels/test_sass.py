@@ -1,6 +1,6 @@
 """The machine code of the kernels the runtime launches, read from sm_80/sm_90 cubins built ahead of time.
 
-``tools/kernel_report.py --controls --json`` builds every kernel as the JIT specialises it for BERT-base and
+``bert-ds-kernel-report --controls --json`` builds every kernel as the JIT specialises it for BERT-base and
 BERT-large launches (bert_ds.kernels.aot) and counts SASS opcodes with triton's bundled ``cuobjdump -sass``:
 
 - attention kernels: tensor-core products, HMMA on sm_80, HGMMA or HMMA on sm_90;
@@ -27,38 +27,24 @@ Each check can fail, and the controls show it on every run (sm_80, measured 2026
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.helpers import HANG_GUARD_S, child_env
+from tests.helpers.kernels import kernel_report
 
-ROOT = Path(__file__).resolve().parents[2]
 # What the shipped recipes launch (bert_ds.devtools.recipe_launches): training and evaluation attend through the
 # varlen kernels; the padded forward serves the trainer's 32-token finite-logits probe under explicit "triton".
 ATTENTION = ("_attn_fwd_kernel", "_varlen_fwd_kernel", "_varlen_bwd_dkdv_kernel", "_varlen_bwd_dq_kernel")
 VARLEN = ATTENTION[1:]
 MEMORY_BOUND = ("_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel")
 
-# The report tests share one `tools/kernel_report.py --controls` run: ~25 s cold on 2 CPU cores (30 compiles),
-# seconds once triton's cache is warm.
+# The report tests share one `bert-ds-kernel-report --controls --json` run per session with
+# tests/kernels/test_kernel_report.py (tests.helpers.kernels.kernel_report).
 slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def sass_report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("sass") / "report.json"
-    # AOT compilation needs triton imported without the interpreter, hence a process of its own.
-    command = [sys.executable, str(ROOT / "tools" / "kernel_report.py"), "--controls", "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S,
-                            env=child_env(TRITON_INTERPRET="0"), cwd=ROOT)
-    assert out.exists(), result.stdout + result.stderr
-    report = json.loads(out.read_text())
-    report["returncode"], report["output"] = result.returncode, result.stdout + result.stderr
-    return report
+    return kernel_report(tmp_path_factory)
 
 
 def _builds(report: dict, kernels: tuple[str, ...]) -> list[dict]:
