@@ -82,6 +82,5 @@ def kernel_report(tmp_path_factory) -> dict:
     run = json.loads((out / "run.json").read_text())
     assert (out / "report.json").exists(), run["stdout"] + run["stderr"]
     report = json.loads((out / "report.json").read_text())
-    report["returncode"], report["stdout"], report["output"] = run["returncode"], run["stdout"], \
-        run["stdout"] + run["stderr"]
+    report.update(returncode=run["returncode"], stdout=run["stdout"], output=run["stdout"] + run["stderr"])
     return report
