@@ -181,7 +181,7 @@ def test_runtime_is_what_runs_on_a_rank_and_lifecycle_what_runs_around_it():
         "pretrain", "preflight", "trainer", "engine", "metrics", "distributed", "caches", "memory"}
     assert {m.rsplit(".", 1)[1] for m in rooms["lifecycle"]} - {"lifecycle"} == {
         "supervise", "supervise_mpirun", "restart", "hostfile", "hang_watchdog", "runner_watch", "rank_exit",
-        "early_signals", "preemption"}
+        "early_signals", "preemption", "startup_gc"}
 
 
 def test_the_house_sees_a_planted_cycle_and_a_planted_arrow_up():

@@ -42,9 +42,10 @@ or stopped before the first step; resubmit with ``--resume auto``), 124 a rank m
 from __future__ import annotations
 
 if __name__ == "__main__":  # a rank: a pre-emption signal during the imports below is recorded, not fatal
-    from bert_ds.lifecycle import early_signals
+    from bert_ds.lifecycle import early_signals, startup_gc
 
     early_signals.catch()
+    startup_gc.pause()  # until the first training step (startup_gc)
 
 import argparse
 import gc

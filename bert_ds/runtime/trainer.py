@@ -24,6 +24,7 @@ from bert_ds.data.workers import raise_if_worker_died
 from bert_ds.deepspeed_internals import loss_scale
 from bert_ds.errors import BertDsError
 from bert_ds.exit_codes import ExitCode
+from bert_ds.lifecycle import startup_gc
 from bert_ds.lifecycle.hang_watchdog import NoWatchdog, StallWatchdog
 from bert_ds.lifecycle.preemption import Preemption
 from bert_ds.model.compile import COMPILE_BOUND_PER_PHASE, compiled_graphs
@@ -433,6 +434,9 @@ def run_phase(plan: RunPlan, p: int, start: StartPoint, metrics, preemption: Pre
         return PhaseOutcome(exit_code=code, last_tag=start.tag)
     ph.watch = watch
     guard = NonFiniteGuard(recipe.logging.max_nonfinite_steps, p, ph.te.precision, plan.rank)
+    # Start-up is over: the collector back on before the loader forks its workers, so they share the frozen heap.
+    if (frozen := startup_gc.resume()) and plan.rank == 0:
+        log.info("start-up ran without the garbage collector; %d objects frozen at the first step", frozen)
     it = iter(ph.loader)
     ph.te.engine.train()
     graphs_before = compiled_graphs()

@@ -141,6 +141,12 @@ def test_tensorboard_console_and_periodic_eval(shards_128, eval_shards, tokenize
         assert float(acc) == pytest.approx(scalars["eval/mlm_accuracy"][int(s)], abs=5.1e-5)
     assert _tags(run) == ["phase1-step000008"]
 
+    # The rank started without the garbage collector and froze its start-up heap at the first step (startup_gc):
+    # torch, DeepSpeed, dynamo and inductor are ~460,000 objects here; a collector never paused logs nothing.
+    frozen = re.findall(r"start-up ran without the garbage collector; (\d+) objects frozen at the first step",
+                        proc.stderr)
+    assert len(frozen) == 1 and int(frozen[0]) > 100_000, proc.stderr[-3000:]
+
 
 def test_early_stop_ends_the_phase_with_a_checkpoint(early_stop_run):
     run, _, stdout = early_stop_run
