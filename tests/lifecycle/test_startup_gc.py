@@ -1,6 +1,6 @@
 """``bert_ds.lifecycle.startup_gc``: a rank's start-up runs with the cyclic garbage collector off; at the first step
-start-up's garbage is collected, what survives frozen, and the collector is back on. In a fresh interpreter, since
-it changes the process's collector for good."""
+start-up's garbage is collected, what survives frozen until exit, and the collector is back on. In a fresh
+interpreter, since it changes the process's collector for good."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 from tests.helpers import HANG_GUARD_S, child_env
 
 SCRIPT = textwrap.dedent("""
-    import gc, json, sys, weakref
+    import atexit, gc, json, sys, weakref
     from bert_ds.lifecycle import startup_gc
 
     assert startup_gc.resume() == 0 and gc.isenabled()  # never paused: nothing changes
@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({**paused, "garbage": garbage, "frozen": frozen, "freeze_count": gc.get_freeze_count(),
                       "freed": sum(r() is None for r in refs), "kept_tracked": sum(type(o) is Node for o in
                       gc.get_objects()), "enabled_after": gc.isenabled(), "paused_after": startup_gc.paused(),
-                      "again": startup_gc.resume()}))
+                      "again": startup_gc.resume(),
+                      "unfrozen_at_exit": (atexit._run_exitfuncs(), gc.get_freeze_count())[1]}))
 """)
 
 
@@ -48,3 +49,4 @@ def test_pause_then_resume_collects_freezes_and_turns_the_collector_back_on():
     assert got["frozen"] == got["freeze_count"] > 1000
     assert got["kept_tracked"] == 0  # what survived is frozen: gc.get_objects() leaves out the frozen generation
     assert got["enabled_after"] is True and got["paused_after"] is False and got["again"] == 0
+    assert got["unfrozen_at_exit"] == 0  # a teardown (an exception escaping main) collects the heap as before
