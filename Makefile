@@ -5,12 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 # Test processes side by side (pytest-xdist), one test file each at a time (module fixtures such as a trained run
-# are built once). On the 2-core machines CI runs on, `make test` runs 3: much of a launched test is one process
-# importing or waiting (a launcher, a rendezvous, a Slurm requeue, a timeout), and the third worker fills those gaps
-# (measured 2026-11-29: 2 workers 37:46 with 7.6% of the CPU idle, 3 workers 35:47 with 1.2% idle, same tests green).
-# `make test-fast` runs no launches, so it keeps one worker per core. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 3
-FAST_TEST_WORKERS ?= 2
+# are built once). 2 fits the 2-core machines CI runs on: much of a launched test is one process importing or
+# waiting (a launcher, a rendezvous, a Slurm requeue), which the other worker fills. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint bench clean
 
@@ -51,7 +48,7 @@ test: venv
 
 # The default tier: no process tree of ranks (tests/helpers/tiers.py), minutes on 2 cores.
 test-fast: venv
-	$(PY) -m pytest -q -n $(FAST_TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not slow and not slurm and not gpu" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not slow and not slurm and not gpu" tests
 
 lint: venv
 	$(PY) -m ruff check .

@@ -119,7 +119,7 @@ def _release_leaked_deepspeed_shm():
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the order is by what runs
 def pytest_collection_modifyitems(config, items):
-    """Heaviest test files first, so the workers of ``make test`` finish together (``tests.helpers.schedule``)."""
+    """Heaviest test files first, so the two workers of ``make test`` finish together (``tests.helpers.schedule``)."""
     from tests.helpers.schedule import heaviest_files_first
 
     heaviest_files_first(items)
@@ -127,9 +127,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     """A test worker's share of the cores for torch's intra-op threads, as a rank gets its share
-    (``bert_ds.runtime.distributed``): ``make test`` runs 3 workers on 2 cores (1 thread each), and in-process
-    fine-tunes left at torch's default (a thread per core) spin in OpenMP barriers while other workers' ranks hold the
-    cores.
+    (``bert_ds.runtime.distributed``): ``make test`` runs 2 workers on 2 cores, and in-process fine-tunes left at
+    torch's default (a thread per core) spin in OpenMP barriers while the other worker's ranks hold the cores.
     Measured per test (CPU seconds, full run, 2026-11-28): SWAG 72 s alone, 205 s in the suite; one thread, 66 s."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 0 and "OMP_NUM_THREADS" not in os.environ:

@@ -48,8 +48,8 @@ def test_make_passes_the_order_to_xdist():
 
 
 def test_a_worker_takes_its_share_of_the_cores_for_torch_threads():
-    # tests/conftest.py: 2 or 3 workers on 2 cores -> 1 intra-op thread each (in-process fine-tunes otherwise spin in
-    # OpenMP barriers against the other workers' ranks)
+    # tests/conftest.py: 2 workers on 2 cores -> 1 intra-op thread each (in-process fine-tunes otherwise spin in OpenMP
+    # barriers against the other worker's ranks)
     import torch
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))

@@ -1,11 +1,11 @@
 """The order ``make test`` hands test files to its workers: heaviest first.
 
-``make test`` runs ``pytest -n 3 --dist loadfile --no-loadscope-reorder``: each file goes whole to one worker (its
+``make test`` runs ``pytest -n 2 --dist loadfile --no-loadscope-reorder``: each file goes whole to one worker (its
 module fixtures are built once), in the order of the collected items. xdist's own reorder (on unless
 ``--no-loadscope-reorder``) sends the files with the most tests first, which for this suite are its cheapest
 (hundreds of parametrised in-process cases), and leaves files of a few minute-long launches (the demo, the fine-tune
-layouts, the Slurm requeues) for the end, where one worker runs them while the others wait. Sent heaviest first
-(longest-processing-time-first), the minutes of short default-tier files come last and fill every worker until the
+layouts, the Slurm requeues) for the end, where one worker runs them while the other waits. Sent heaviest first
+(longest-processing-time-first), the minutes of short default-tier files come last and fill both workers until the
 end.
 
 The weight is a rough prior from the tiers, not a record of timings: a test that launches ranks or fine-tunes

@@ -1,6 +1,6 @@
 """A session fixture's directory built once per test session, not once per pytest-xdist worker.
 
-``make test`` runs three workers; a ``scope="session"`` fixture is a session of each worker, so a fixture they need
+``make test`` runs two workers; a ``scope="session"`` fixture is a session of each worker, so a fixture both need
 (the shard sets, the fault tables' reference runs, the kernel report) would be built twice. :func:`built_once` builds
 it under the directory the workers' base temporary directories share (``<basetemp>/popen-gwN`` under xdist), holding
 an exclusive ``flock`` while it builds: the second worker waits for the first and reads what it built. A build that
