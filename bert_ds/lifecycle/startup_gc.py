@@ -1,23 +1,21 @@
 """A rank starts without Python's cyclic garbage collector and turns it back on at its first training step.
 
 Start-up allocates hundreds of thousands of long-lived objects (torch, DeepSpeed, and the ``torch._dynamo`` and
-``torch._inductor`` modules that torch.optim and DeepSpeed's ZeRO import on first use; ~460,000 frozen in a 1-rank
-``tiny`` run) and little garbage; the collector, running on allocation counts, traverses the growing heap again and
-again while they load. Measured on a 2-rank ``tiny`` CPU run of both phases (2 cores, quiet, median of 6): 13.6 CPU
-seconds for the two ranks with the collector on, 12.4 paused; turning it back on without the collection and the freeze
-saved nothing (12.9 vs 12.8): the deferred collections then traverse the same heap. ``bert_ds/runtime/pretrain.py``
-started as a rank (a script or ``python -m``: every launcher's command) calls :func:`pause` before its first heavy
-import; :func:`resume` runs at the first step of the run (:func:`bert_ds.runtime.trainer.run_phase`): one full
-collection frees whatever start-up left in cycles, the survivors are frozen (never traversed again while the rank
-trains), and the collector runs as usual from there. At exit they are unfrozen again (an ``atexit`` handler): a rank
-ends without the interpreter's teardown (:mod:`bert_ds.lifecycle.rank_exit`), but one whose exception escapes ``main``
-still goes through it, and that teardown must not leave the frozen heap uncollected: Triton's nanobind bindings then
-print leak warnings, and its seconds of collection are what keep a rank failing on a dead peer's collective (exit 1)
-from ending within the same second as the peer that failed first. DeepSpeed's ``launch.py`` polls its ranks once a
-second in set order and exits with the code of whichever failed rank it meets first, so two failures in one poll make
-the job's code a coin toss (measured: the fault row ``token-id-over-vocab`` exited 1 instead of 2 with the heap left
-frozen). A process that never paused (a test calling ``main`` in-process, ``bert-ds`` commands) is left as it is.
-Imports nothing but :mod:`gc` and :mod:`atexit`."""
+``torch._inductor`` modules that torch.optim and DeepSpeed's ZeRO import on first use) and little garbage; the
+collector, running on allocation counts, traverses the growing heap again and again while they load. On a 2-rank
+``tiny`` CPU run of both phases (2 cores, median of 6) the two ranks took 13.6 CPU seconds with the collector on, 12.4
+paused; turning it back on without the collection and the freeze below saved nothing (12.9 vs 12.8).
+
+``bert_ds/runtime/pretrain.py`` started as a rank (a script or ``python -m``: every launcher's command) calls
+:func:`pause` before its first heavy import; :func:`resume` runs before the first step
+(:func:`bert_ds.runtime.trainer.run_phase`): one full collection frees what start-up left in cycles, the survivors
+are frozen (never traversed again while the rank trains) and the collector runs as usual. An ``atexit`` handler
+unfreezes them: a rank whose exception escapes ``main`` ends through the interpreter's teardown (the others skip it,
+:mod:`bert_ds.lifecycle.rank_exit`), which must collect the heap as before. Left frozen, Triton's nanobind bindings
+print leak warnings, and the failing rank ends seconds sooner: a rank failing on a dead peer's collective (exit 1) can
+then end within the same one-second poll of DeepSpeed's ``launch.py`` as the peer that failed first, and the launcher
+passes on whichever of the two codes it meets first in its set of processes. A process that never paused (a test
+calling ``main`` in-process, ``bert-ds`` commands) is left as it is. Imports nothing but :mod:`gc` and :mod:`atexit`."""
 
 from __future__ import annotations
 
