@@ -19,8 +19,9 @@ What the supervisor does (Linux):
 - each rank reports that it armed and the code it exits with as files in a private directory
   (``$BERT_DS_SUPERVISOR_DIR``, :func:`arm` and :func:`report_exit`, called by ``bert_ds.runtime.pretrain``);
 - exits only when no process it started is left, with the job's code (:func:`exit_code_of`): the runner's when it
-  exited by itself (the first failing rank's); when it was killed, the ranks' own: a failure any rank reported (1,
-  2, 3, 124), else 75 (a rank exits 75 only after the collective save completed).
+  exited by itself (a failing rank's; the earliest failure the ranks reported when the runner passed on another);
+  when it was killed, the ranks' own: the earliest failure a rank reported (1, 2, 3, 124), else 75 (a rank exits 75
+  only after the collective save completed).
 
 Restarts (:mod:`bert_ds.lifecycle.restart`): after a retryable failure (a rank killed by signal N, which the command
 reports as 128 + N, naming the signal; exit 1; a stall, 124) the supervisor ends what is left of the attempt, frees
@@ -57,10 +58,11 @@ from pathlib import Path
 
 from bert_ds.cli import alias
 from bert_ds.deepspeed_internals import LAUNCH_MODULE, RUNNER_MODULE
-from bert_ds.exit_codes import ExitCode, from_negated_signal, signal_name, signal_of
+from bert_ds.exit_codes import SIGNAL_BASE, ExitCode, from_negated_signal, signal_name, signal_of
 from bert_ds.lifecycle import restart
 
-__all__ = ["DEEPSPEED", "DIR_ENV", "MPIRUN", "Launcher", "arm", "exit_code_of", "main", "report_exit", "supervise"]
+__all__ = ["DEEPSPEED", "DIR_ENV", "MPIRUN", "Launcher", "arm", "exit_code_of", "main", "read_reports", "report_exit",
+           "supervise"]
 
 DIR_ENV = "BERT_DS_SUPERVISOR_DIR"
 """The directory in which ranks started by a supervisor report ``armed.<pid>`` and ``exit.<pid>``."""
@@ -98,28 +100,42 @@ def _report(kind: str, text: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the supervisor's side
+def read_reports(directory: Path) -> dict[int, int]:
+    """The codes the ranks reported in ``directory`` (:func:`report_exit`) by pid, in the order they were reported
+    (each report's modification time, then the pid)."""
+    found = sorted((path.stat().st_mtime_ns, int(path.name.split(".")[1]), int(path.read_text()))
+                   for path in directory.glob("exit.*") if path.suffix != ".tmp")
+    return {pid: code for _, pid, code in found}
+
+
 def exit_code_of(reports: dict[int, int], runner: int, preempted: bool, runner_knows: bool = True) -> int:
     """The job's exit code. ``runner``: the launcher's status as ``os.waitstatus_to_exitcode`` gives it (-N: killed
-    by signal N); ``reports``: the ranks' reported codes by pid; ``preempted``: the supervisor was signalled;
-    ``runner_knows``: a launcher that exits by itself passes on the first failing rank's code.
+    by signal N); ``reports``: the ranks' reported codes by pid, in the order they were reported; ``preempted``: the
+    supervisor was signalled; ``runner_knows``: a launcher that exits by itself passes on a failing rank's code.
 
     DeepSpeed's runner does (``launch.py`` exits with that code and ends the others), so its code is the job's
-    whenever it exited by itself. ``mpirun`` does not always: when one rank exits 75 it aborts the job, and a rank it
-    kills on the way can make its own status 1 (measured, 1 run in 3). A launcher killed by a signal knows nothing
-    either. Then a failure a rank reported wins, else 75 if a rank reported it or the supervisor was signalled (killed
+    whenever it exited by itself, with one correction: ``launch.py`` polls its ranks once a second and passes on the
+    first failed one it meets in a set, not the first that failed. When two ranks failed within one poll (rank 0
+    refused a token id, exit 2; rank 1's collective then met the dead peer, exit 1) and the runner's code is such a
+    failure, the earliest failure a rank reported is the job's: a peer's error comes after the failure that caused it.
+    A runner's signal code (a rank killed, which reports nothing) stands.
+
+    ``mpirun`` does not always pass a rank's code on: when one rank exits 75 it aborts the job, and a rank it kills on
+    the way can make its own status 1 (measured, 1 run in 3). A launcher killed by a signal knows nothing either. Then
+    the earliest failure a rank reported wins, else 75 if a rank reported it or the supervisor was signalled (killed
     before they could report: every save is atomic, so ``--resume auto`` goes on from the last complete checkpoint),
     else the launcher's own code (128 + N when killed). One exception: ``mpirun`` exiting 128 + N by itself, not
     pre-empted, says its first failure was a rank killed by signal N (it exits with the first failing rank's status);
     the failures its peers reported came after, from their collectives (a dead peer: exit 1), so 128 + N stands."""
+    failures = [c for c in reports.values() if c not in (ExitCode.OK, ExitCode.PREEMPTED)]
     if runner >= 0 and runner_knows:
-        return runner
-    codes = [reports[pid] for pid in sorted(reports)]
-    failures = [c for c in codes if c not in (ExitCode.OK, ExitCode.PREEMPTED)]
+        rank_failure = runner not in (ExitCode.OK, ExitCode.PREEMPTED) and runner < SIGNAL_BASE
+        return failures[0] if failures and rank_failure else runner
     if failures and signal_of(runner) is not None and not preempted:
         return runner
     if failures:
         return failures[0]
-    if ExitCode.PREEMPTED in codes or preempted:
+    if ExitCode.PREEMPTED in reports.values() or preempted:
         return ExitCode.PREEMPTED
     return runner if runner >= 0 else 128 - runner
 
@@ -347,7 +363,7 @@ class _Supervisor:
         for _, pid in self.gone:
             if reports.get(pid) not in (ExitCode.OK, ExitCode.PREEMPTED):
                 return self.seen[pid]
-        failed = [pid for pid, code in sorted(reports.items())
+        failed = [pid for pid, code in reports.items()  # in the order reported
                   if code not in (ExitCode.OK, ExitCode.PREEMPTED) and pid in self.seen]
         return self.seen[failed[0]] if failed else ""
 
@@ -367,11 +383,7 @@ class _Supervisor:
         sys.stderr.flush()
 
     def _reports(self) -> dict[int, int]:
-        reports = {}
-        for path in self.dir.glob("exit.*"):
-            if path.suffix != ".tmp":
-                reports[int(path.name.split(".")[1])] = int(path.read_text())
-        return reports
+        return read_reports(self.dir)
 
 
 def _parser(launcher: Launcher) -> argparse.ArgumentParser:

@@ -30,6 +30,11 @@ from tests.helpers import HANG_GUARD_S
     ({11: 2}, 247, False, 247),
     ({}, -9, False, 137),  # the runner itself SIGKILLed, no rank reported
     ({11: 0, 12: 0}, -15, False, 143),
+    # launch.py met rank 12's 1 first in its poll, but rank 11 reported its 2 before: 12's 1 was the dead peer
+    ({11: 2, 12: 1}, 1, False, 2),
+    ({12: 1, 11: 2}, 2, False, 1),  # the other way round: rank 12 failed first
+    ({11: 1, 12: 1}, 137, False, 137),  # a rank killed (no report): the runner's signal code stands
+    ({11: 75, 12: 2}, 75, True, 75),  # the runner passed on a saved pre-emption: it stands
 ])
 def test_the_job_exit_code(reports, runner, signalled, want):
     assert supervise.exit_code_of(reports, runner, preempted=signalled) == want
@@ -46,9 +51,23 @@ def test_the_job_exit_code(reports, runner, signalled, want):
     ({}, -15, True, 75),  # mpirun TERMed (not through the supervisor) during start-up
     ({11: 75, 12: 75}, 1, False, 75),  # TERM to mpirun alone: Open MPI TERMed the ranks, they saved; mpirun exits 1
     ({11: 0, 12: 0}, 1, False, 1),  # the same, but the run had ended first: mpirun's 1 stands
+    ({12: 1, 11: 2}, 1, False, 1),  # rank 12 reported first: its failure is the job's
 ])
 def test_the_job_exit_code_under_mpirun(reports, runner, signalled, want):
     assert supervise.exit_code_of(reports, runner, preempted=signalled, runner_knows=False) == want
+
+
+def test_reports_are_read_in_the_order_they_were_made(tmp_path, monkeypatch):
+    """The report files' modification times order them, not their pids: the job's code is the earliest failure."""
+    monkeypatch.setenv(supervise.DIR_ENV, str(tmp_path))
+    for pid, code, when in ((300, 1, 2_000), (200, 75, 3_000), (100, 2, 1_000)):
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        supervise.report_exit(code)
+        os.utime(tmp_path / f"exit.{pid}", ns=(when, when))
+    (tmp_path / "exit.400.tmp").write_text("3")  # a report being written is not read
+    reports = supervise.read_reports(tmp_path)
+    assert list(reports.items()) == [(100, 2), (300, 1), (200, 75)]
+    assert supervise.exit_code_of(reports, 1, preempted=False) == 2
 
 
 @pytest.mark.parametrize(("argv", "environ", "want"), [
