@@ -25,9 +25,10 @@ def _state(run, tag):
 
 
 def test_the_budget_ends_the_phase(synthetic_data, tmp_path):
-    # At least two updates must fit in the budget (the lr check below). Unloaded, 2 CPU ranks make 11 in 4 s; under
-    # 3 test workers on 2 cores the first update alone once took over 4 s. 8 s leaves that margin.
-    budget_s = 8.0
+    # How many updates fit in the budget depends on the machine's load (unloaded, 2 CPU ranks make 11 in 4 s; under 3
+    # test workers on 2 cores the first update alone once took over 4 s), so nothing here counts them: the lr rising
+    # with the elapsed time is the resume test's, from a saved elapsed time.
+    budget_s = 3.0
     recipe = _recipe(tmp_path / "recipe.json", budget_s / 3600, steps=100_000)
     run = tmp_path / "run"
     out = run_pretrain(["--recipe", str(recipe), "--data", str(synthetic_data[0]), "--output", str(run)], nprocs=2)
@@ -37,7 +38,7 @@ def test_the_budget_ends_the_phase(synthetic_data, tmp_path):
     assert state["time_budget"]["elapsed_s"] >= budget_s
     assert "budget_hours" in out.stdout + out.stderr and "ending the phase" in out.stdout + out.stderr
     lrs = tensorboard_scalars(run / "tensorboard")["train/lr"]
-    assert lrs[1] == 0.0 and max(lrs.values()) > 0.0  # no time trained before the first update
+    assert sorted(lrs) == list(range(1, state["step"] + 1)) and lrs[1] == 0.0  # no time trained before update 1
 
 
 def test_resume_continues_from_the_saved_elapsed_time(synthetic_data, tmp_path):
