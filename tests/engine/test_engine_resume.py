@@ -29,25 +29,37 @@ def straight(synthetic_data, tmp_path_factory):
     every stopped-and-resumed run below must reproduce."""
     root = tmp_path_factory.mktemp("straight")
     recipe = _with_dropout(root / "recipe.json")
-    run_pretrain(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(root / "run")],
-                 nprocs=2)
+    run_pretrain(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--num-workers", "0", "--output",
+                  str(root / "run")], nprocs=2)
     return recipe, root / "run"
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_resume_is_exact_with_dropout_on(straight, synthetic_data, tmp_path, workers):
-    """Stopped mid phase 1 (step 2), stopped again exactly at the phase boundary (step 4), finished: the weights are
-    bit-identical to the uninterrupted run, and so are the loader position and the samples consumed. Every random
-    stream a step draws from (dropout: torch's generator) continues as if never interrupted, with and without loader
-    worker processes (the uninterrupted run had none: the worker count changes nothing)."""
+@pytest.fixture(scope="module")
+def stopped_at_2(straight, synthetic_data, tmp_path_factory):
+    """The same recipe and data on 2 ranks with one loader worker each, stopped by ``--max-steps 2`` (checkpoint
+    ``phase1-step000002``): copied by each test below that resumes it."""
+    recipe, _ = straight
+    run = tmp_path_factory.mktemp("stopped") / "run"
+    run_pretrain(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--num-workers", "1", "--output",
+                  str(run), "--max-steps", "2"], nprocs=2)
+    assert (run / "checkpoints" / "latest").read_text() == "phase1-step000002"
+    assert _state(run, "phase1-step000002")["world_size"] == 2
+    return run
+
+
+def test_resume_is_exact_with_dropout_on(straight, stopped_at_2, synthetic_data, tmp_path):
+    """Stopped mid phase 1 (step 2, one loader worker per rank), resumed without workers and stopped again exactly at
+    the phase boundary (step 4), finished with workers: the weights are bit-identical to the uninterrupted run (no
+    workers), and so are the loader position and the samples consumed. Every random stream a step draws from
+    (dropout: torch's generator) continues as if never interrupted, and the worker count changes nothing."""
     recipe, want_run = straight
-    common = ["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--num-workers", str(workers)]
     stopped = tmp_path / "stopped"
-    for cap in ("2", "4"):
-        run_pretrain([*common, "--output", str(stopped), "--resume", "auto", "--max-steps", cap], nprocs=2)
-        assert (stopped / "checkpoints" / "latest").read_text() == f"phase1-step00000{cap}"
+    shutil.copytree(stopped_at_2, stopped)
+    common = ["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(stopped), "--resume", "auto"]
+    run_pretrain([*common, "--num-workers", "0", "--max-steps", "4"], nprocs=2)
+    assert (stopped / "checkpoints" / "latest").read_text() == "phase1-step000004"
     assert _state(stopped, "phase1-step000004")["phase_done"] is True
-    run_pretrain([*common, "--output", str(stopped), "--resume", "auto"], nprocs=2)
+    run_pretrain([*common, "--num-workers", "1"], nprocs=2)
     for tag in ("phase1-step000004", "phase2-step000002"):
         got, want = weights(stopped, tag), weights(want_run, tag)
         assert got.keys() == want.keys()
@@ -57,18 +69,17 @@ def test_resume_is_exact_with_dropout_on(straight, synthetic_data, tmp_path, wor
         assert _state(stopped, tag)["consumed_samples"] == _state(want_run, tag)["consumed_samples"]
 
 
-def test_resume_on_other_rank_count_with_dropout_on(straight, synthetic_data, tmp_path):
+def test_resume_on_other_rank_count_with_dropout_on(straight, stopped_at_2, synthetic_data, tmp_path):
     """A 2-rank ZeRO-2 checkpoint at step 2 resumed on 1 rank: the optimizer state is re-partitioned and the same
     samples are consumed; dropout masks are keyed by (seed, phase, step, micro batch in the global batch), not drawn
     from per-rank streams, so the masks are the same too: both phase ends within the data-parallel rounding floor
     (1e-5, ``param_diffs``) of the uninterrupted 2-rank run, dropout 0.1 on."""
     recipe, want_run = straight
-    common = ["--recipe", str(recipe), "--data", *map(str, synthetic_data)]
     moved = tmp_path / "moved"
-    run_pretrain([*common, "--output", str(moved), "--max-steps", "2"], nprocs=2)
-    assert _state(moved, "phase1-step000002")["world_size"] == 2
+    shutil.copytree(stopped_at_2, moved)
     shutil.rmtree(moved / "tensorboard")
-    run_pretrain([*common, "--output", str(moved), "--resume", "auto"], nprocs=1)
+    run_pretrain(["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(moved), "--resume",
+                  "auto"], nprocs=1)
     for tag in ("phase1-step000004", "phase2-step000002"):
         assert _state(moved, tag)["world_size"] == 1
         got_loader, want_loader = _state(moved, tag)["loader"], _state(want_run, tag)["loader"]
