@@ -54,6 +54,16 @@ def shards_512(english_corpus, tokenizer_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fault_reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
+    """The fault tables' recipe (``tests.helpers.faults.fault_recipe``) trained uninterrupted on 2 real DeepSpeed CPU
+    ranks, once per session: the run every resume of that recipe is compared with, bit for bit."""
+    from tests.helpers.faults import train_fault_run
+
+    return built_once(tmp_path_factory, "fault_reference",
+                      lambda root: train_fault_run(root, shards_128, shards_512, tokenizer_dir)) / "run"
+
+
+@pytest.fixture(scope="session")
 def mix_shards_128(tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
     """Seq-128 shard sets of two different real texts, one per source of a mix: ``licenses`` (every licence text,
     ~1.1k samples) and ``stdlib`` (standard-library docstrings, ~3.9k samples), in shards of 300 samples."""

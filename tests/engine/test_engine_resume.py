@@ -55,7 +55,8 @@ def test_resume_is_exact_with_dropout_on(straight, stopped_at_2, synthetic_data,
     recipe, want_run = straight
     stopped = tmp_path / "stopped"
     shutil.copytree(stopped_at_2, stopped)
-    common = ["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(stopped), "--resume", "auto"]
+    common = ["--recipe", str(recipe), "--data", *map(str, synthetic_data), "--output", str(stopped), "--resume",
+              "auto"]
     run_pretrain([*common, "--num-workers", "0", "--max-steps", "4"], nprocs=2)
     assert (stopped / "checkpoints" / "latest").read_text() == "phase1-step000004"
     assert _state(stopped, "phase1-step000004")["phase_done"] is True

@@ -128,7 +128,7 @@ def _resume_exactly(ctx: Ctx, *extra: str) -> str:
     """Finish the interrupted run with ``--resume auto`` on 2 ranks (spawned directly: the row's command was the
     launched one): both phase ends bit-identical to the reference."""
     spawn_ranks(2, ctx.args("--resume", "auto", *extra), check=True)
-    _identical(ctx.run, ctx.fixture("reference_run"))
+    _identical(ctx.run, ctx.fixture("fault_reference_run"))
     return f"resumed to {FINAL_TAG}: weights bit-identical to the uninterrupted run (dropout 0.1)"
 
 
@@ -183,7 +183,7 @@ def resume_on_one_rank(ctx: Ctx) -> Launch:
 
 
 def check_resume_on_one_rank(ctx: Ctx, out: Outcome) -> str:
-    reference = ctx.fixture("reference_run")
+    reference = ctx.fixture("fault_reference_run")
     for tag in (PHASE1_END, FINAL_TAG):
         got, want = ckpt.read_run_state(ctx.run / "checkpoints", tag), ckpt.read_run_state(
             reference / "checkpoints", tag)
@@ -447,7 +447,7 @@ def check_second_run(ctx: Ctx, out: Outcome) -> str:
             proc.resume()
     first = ctx.state["first"]
     assert first.wait(HANG_GUARD_S) == 0, "".join(ctx.state["lines"])[-4000:]
-    _identical(ctx.run, ctx.fixture("reference_run"))
+    _identical(ctx.run, ctx.fixture("fault_reference_run"))
     return "nothing: the first run finished bit-identical to an undisturbed run"
 
 

@@ -200,7 +200,7 @@ def flipped_master_resume(ctx: Ctx) -> Launch:
 def check_flipped_master_resume(ctx: Ctx, out: Outcome) -> str:
     assert re.search(r"resuming from phase1-step000002", out.text()), out.text()[-3000:]
     for tag in (PHASE1_END, FINAL_TAG):
-        got, want = weights(ctx.run, tag), weights(ctx.request.getfixturevalue("reference_run"), tag)
+        got, want = weights(ctx.run, tag), weights(ctx.request.getfixturevalue("fault_reference_run"), tag)
         differ = [name for name in want if not torch.equal(got[name], want[name])]
         assert not differ, f"{tag}: {len(differ)} tensors differ from the uninterrupted run"
     assert ckpt.read_latest(ctx.run / "checkpoints") == FINAL_TAG

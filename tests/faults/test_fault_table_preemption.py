@@ -73,7 +73,7 @@ def _tree_sigterm(launcher: psutil.Process) -> str:
 
 
 @pytest.mark.parametrize("deliver", [_group_sigterm, _tree_sigterm], ids=["group", "every-process"])
-def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, shards_128, shards_512,
+def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(fault_reference_run, shards_128, shards_512,
                                                                   tokenizer_dir, tmp_path, deliver):
     run, recipe, out = _signalled_run(tmp_path, shards_128, shards_512, tokenizer_dir, Trigger(r"^step 3 \|", deliver))
     message = out.first_line(r"pre-empted: checkpointed at phase 1 step \d+")
@@ -88,7 +88,7 @@ def test_group_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, s
         assert not out.survivors, out.survivors
         assert out.returncode == 75, (out.returncode, out.text()[-4000:])
         assert re.search(r"exits with return code = 75|exit 75", out.text()), out.text()[-4000:]
-        _resumes_exactly(run, recipe, shards_128, shards_512, tokenizer_dir, reference_run)
+        _resumes_exactly(run, recipe, shards_128, shards_512, tokenizer_dir, fault_reference_run)
         lost = f"nothing: {tag} written; resumed to {FINAL_TAG} bit-identical to the uninterrupted run (dropout 0.1)"
     finally:
         report_row(f"{deliver.__name__.strip('_').replace('_', '-')}-workers", "4", out, message, lost)
@@ -138,8 +138,8 @@ def test_sigterm_to_the_runner_alone_checkpoints_exits_75_no_orphans(shards_128,
 
 
 @pytest.mark.parametrize("deliver", [_group_sigterm, _tree_sigterm], ids=["group", "every-process"])
-def test_sigterm_during_startup_exits_75_having_written_nothing(reference_run, shards_128, shards_512, tokenizer_dir,
-                                                                tmp_path, deliver):
+def test_sigterm_during_startup_exits_75_having_written_nothing(fault_reference_run, shards_128, shards_512,
+                                                                tokenizer_dir, tmp_path, deliver):
     """TERM as DeepSpeed's runner logs its command line, before any rank exists or trains: the command exits 75, no
     checkpoint is written, nothing survives, and ``--resume auto`` then trains the whole run bit for bit."""
     run, recipe, out = _signalled_run(tmp_path, shards_128, shards_512, tokenizer_dir,
@@ -153,7 +153,7 @@ def test_sigterm_during_startup_exits_75_having_written_nothing(reference_run, s
         assert not out.survivors, out.survivors
         tags = sorted(p.name for p in (run / "checkpoints").glob("phase*")) if (run / "checkpoints").is_dir() else []
         assert tags == [], tags
-        _resumes_exactly(run, recipe, shards_128, shards_512, tokenizer_dir, reference_run)
+        _resumes_exactly(run, recipe, shards_128, shards_512, tokenizer_dir, fault_reference_run)
         lost = f"nothing: no checkpoint written; the resumed run's {FINAL_TAG} bit-identical to the uninterrupted run"
     finally:
         report_row(f"startup-{deliver.__name__.strip('_').replace('_', '-')}", "4", out, message, lost)
