@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 # Test processes side by side (pytest-xdist), one test file each at a time (module fixtures such as a trained run
-# are built once). 2 fits the 2-core machines CI runs on: much of a launched test is one process importing or
-# waiting (a launcher, a rendezvous, a Slurm requeue), which the other worker fills. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# are built once). 3 on the 2-core machines CI runs on: much of a launched test is one process waiting (a launcher,
+# a rendezvous, a Slurm requeue); with 2 the cores sat idle 9% of the suite, with 3 1%. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
 
 .PHONY: venv demo test test-fast lint bench clean
 

@@ -10,7 +10,10 @@ Tests of what the ranks compute (resume exactness, checkpoints, recipes), not of
 with :func:`spawn_ranks`: the test process sets the variables and the ``--local_rank`` argument DeepSpeed's
 ``launch.py`` hands each rank and starts the ranks itself. The three launcher interpreters of a ``bert-ds deepspeed``
 launch (supervisor, runner, ``launch.py``, each importing torch and DeepSpeed) cost about 4 of its 19 CPU seconds on
-2 cores; the ranks, DeepSpeed's engine and gloo are the same.
+2 cores; the ranks, DeepSpeed's engine and gloo are the same. Those ranks (and one-rank ``python -m
+bert_ds.runtime.pretrain`` runs through :func:`run_ranks`) are forked from an interpreter that has already imported
+torch, DeepSpeed and bert_ds (:mod:`tests.helpers.rank_zygote`; ``BERT_DS_TESTS_FORK_RANKS=0`` turns it off): those
+imports are most of a tiny rank's CPU time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.helpers import HANG_GUARD_S, child_env, free_port
+from tests.helpers.rank_zygote import fork_rank
 
 __all__ = ["DEEPSPEED", "PRETRAIN_SCRIPT", "REPO", "VENV_BIN", "rank_command", "run_module_ranks", "run_ranks",
            "spawn_ranks"]
@@ -48,11 +52,35 @@ def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = Fa
               **env: str) -> subprocess.CompletedProcess:
     """Run ``cmd`` from the checkout to its end with :func:`~tests.helpers.child_env` (plus ``env``), capturing
     stdout and stderr; with ``check``, an exit code other than 0 fails the test showing both."""
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    if cmd[1:3] == ["-m", "bert_ds.runtime.pretrain"]:
+        proc = _run_forked(cmd, child_env(**env), timeout)
+    else:
+        proc = None
+    if proc is None:
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _run_forked(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """``cmd`` (``python -m bert_ds.runtime.pretrain ARGS``) forked from the test worker's rank zygote and run to its
+    end, as ``subprocess.run`` with ``capture_output`` would; None when it cannot be forked (:func:`_start`)."""
+    with tempfile.TemporaryDirectory(prefix="bert_ds-rank-") as logs:
+        out, err = Path(logs) / "out", Path(logs) / "err"
+        out.touch()
+        err.touch()
+        rank = fork_rank(cmd[1:], env, _ZYGOTE_ENV, REPO, str(out), str(err), ready_timeout=timeout)
+        if rank is None:
+            return None
+        try:
+            code = rank.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rank.kill()
+            rank.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text()) from None
+        return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
 
 
 def _launcher_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
@@ -75,6 +103,21 @@ def _end_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             proc.wait()
 
 
+_ZYGOTE_ENV = child_env()
+"""The environment of the test worker's rank zygote: a child's as this worker started, before any test changed it."""
+
+
+def _start(argv: list[str], env: dict[str, str], out, err, timeout: float):
+    """The rank, forked from the test worker's zygote when it can be (:mod:`tests.helpers.rank_zygote`: the
+    pre-training script, an environment that differs from :data:`_ZYGOTE_ENV` only in the launcher's variables), else
+    its own interpreter."""
+    if argv[2] == str(PRETRAIN_SCRIPT):
+        rank = fork_rank(argv[2:], env, _ZYGOTE_ENV, REPO, out.name, err.name, ready_timeout=timeout)
+        if rank is not None:
+            return rank
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=err)
+
+
 def spawn_ranks(nprocs: int, args: Sequence[str] = (), script: str | Path | None = None, *,
                 timeout: float = HANG_GUARD_S, check: bool = False, **env: str) -> subprocess.CompletedProcess:
     """Run ``python -u SCRIPT --local_rank=I ARGS`` for I in 0..N-1 as DeepSpeed's ``launch.py`` would, without the
@@ -88,8 +131,8 @@ def spawn_ranks(nprocs: int, args: Sequence[str] = (), script: str | Path | None
     with tempfile.TemporaryDirectory(prefix="bert_ds-ranks-") as logs:
         outs = [open(Path(logs) / f"{r}.out", "w+") for r in range(nprocs)]  # noqa: SIM115 - closed below
         errs = [open(Path(logs) / f"{r}.err", "w+") for r in range(nprocs)]  # noqa: SIM115 - closed below
-        procs = [subprocess.Popen(argv(r), cwd=REPO, env=child_env(**_launcher_env(r, nprocs, port), **env),
-                                  stdout=outs[r], stderr=errs[r]) for r in range(nprocs)]
+        procs = [_start(argv(r), child_env(**_launcher_env(r, nprocs, port), **env), outs[r], errs[r], timeout)
+                 for r in range(nprocs)]
         deadline, code = time.monotonic() + timeout, 0
         try:
             while code == 0 and any(p.poll() is None for p in procs):

@@ -1,0 +1,218 @@
+"""Ranks forked from one interpreter that has already imported what a rank imports (a "zygote"), for
+:func:`tests.helpers.ranks.spawn_ranks`.
+
+Why. A tiny CPU rank spends most of its ~7 CPU seconds importing: torch (1.5 s), ``torch._dynamo`` (1.4 s: torch.optim's
+``add_param_group`` imports it), DeepSpeed's Muon module (1.3 s: ZeRO's ``is_zero_supported_optimizer`` imports it
+and its ``torch.compile`` decorators import inductor), DeepSpeed, TensorBoard (``python -X importtime``, 2 cores).
+The suite starts a few hundred ranks. Here one interpreter per test worker pays those imports once and forks a child
+per rank; the child becomes the rank exactly as ``python -u bert_ds/runtime/pretrain.py --local_rank=I ARGS`` would
+(the same environment, working directory, ``sys.argv``, ``sys.path[0]`` and stdout/stderr files, the script run as
+``__main__``, its interpreter exit the rank's), so what the rank computes, logs and writes is the same.
+
+What is not the same: the rank's command line in ``/proc`` is this module's (no test finds these ranks by it: the
+launch paths, signals and kills are tested through real launchers, :func:`tests.helpers.ranks.rank_command`), and an
+import-time read of the environment sees this interpreter's. So a rank is forked only when its environment differs
+from the one this interpreter started with in the launcher's variables alone; otherwise ``spawn_ranks`` starts
+an interpreter as before.
+
+``python -m bert_ds.runtime.pretrain ARGS`` (one rank without a launcher, :func:`tests.helpers.ranks.run_ranks`) is
+forked the same way, the module run as ``__main__`` as ``-m`` runs it.
+
+Protocol: the test process writes one JSON request per line on stdin (``id``, ``argv``, ``env``, ``cwd``,
+``stdout``, ``stderr``); this process answers ``ready``, then ``pid ID PID`` per fork and ``exit PID CODE`` when a
+child ends (``os.waitstatus_to_exitcode``: -N when killed by signal N), and exits when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["PRELOAD", "SWITCH", "ForkedRank", "fork_rank"]
+
+PRELOAD = ("torch", "torch._dynamo", "torch.utils.tensorboard", "deepspeed", "deepspeed.runtime.engine",
+           "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.muon.muon_optimizer",
+           "bert_ds.runtime.trainer", "bert_ds.runtime.preflight", "bert_ds.checkpoint")
+"""What this interpreter imports before it forks: the heavy imports every rank makes."""
+
+SWITCH = "BERT_DS_TESTS_FORK_RANKS"
+"""``0`` in the test process: every rank starts its own interpreter (to compare, or to rule the zygote out)."""
+FORKABLE_DIFFERENCES = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                                  "LOCAL_SIZE", "RANK", "LOCAL_RANK"})
+"""The variables a forked rank's environment may differ in from this interpreter's (what ``launch.py`` sets)."""
+
+
+# ------------------------------------------------------------------------------------------ the zygote's side
+def _say(line: str) -> None:
+    os.write(1, (line + "\n").encode())
+
+
+def _serve() -> dict:
+    """Import, then fork one child per request, reporting pids and exits; returns only in a child, its request."""
+    gc.disable()  # as a rank starts (bert_ds.lifecycle.startup_gc): no collections while importing
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()
+    gc.enable()
+    _say("ready")
+    children, pending = set(), b""
+    while True:
+        if select.select([0], [], [], 0.02)[0]:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                os._exit(0)  # the test worker closed the pipe: it ended its ranks before
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    return request
+                children.add(pid)
+                _say(f"pid {request['id']} {pid}")
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            _say(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def _become_rank(request: dict) -> None:
+    """In the forked child: what ``python -u SCRIPT ARGS`` would have set up, then the script as ``__main__``."""
+    import runpy
+
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(out, fd)
+        os.close(out)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    first, *args = request["argv"]
+    if first == "-m":  # python -m MODULE ARGS: sys.path[0] the working directory, argv[0] the module's file
+        sys.argv = ["-m", *args[1:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [first, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(first))
+        runpy.run_path(first, run_name="__main__")
+
+
+# ------------------------------------------------------------------------------------------ the test's side
+class _Zygote:
+    def __init__(self, env: dict[str, str], cwd: Path) -> None:
+        self.env = dict(env)
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "tests.helpers.rank_zygote"], cwd=cwd, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.changed = threading.Condition()
+        self.ready, self.pids, self.codes, self.next_id = False, {}, {}, 0
+        threading.Thread(target=self._read, name="rank-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            kind, *values = raw.decode().split()
+            with self.changed:
+                if kind == "ready":
+                    self.ready = True
+                elif kind == "pid":
+                    self.pids[int(values[0])] = int(values[1])
+                elif kind == "exit":
+                    self.codes[int(values[0])] = int(values[1])
+                self.changed.notify_all()
+        with self.changed:
+            self.ready = None  # gone
+            self.changed.notify_all()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.ready is not None
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: str, stderr: str,
+             timeout: float) -> int:
+        with self.changed:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+        line = json.dumps({"id": request_id, "argv": argv, "env": env, "cwd": str(cwd), "stdout": stdout,
+                           "stderr": stderr})
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+        with self.changed:
+            if not self.changed.wait_for(lambda: request_id in self.pids or self.ready is None, timeout):
+                raise RuntimeError(f"the rank zygote did not fork within {timeout:.0f} s")
+            if request_id not in self.pids:
+                raise RuntimeError("the rank zygote exited")
+            return self.pids[request_id]
+
+
+_ZYGOTE: list[_Zygote] = []
+
+
+class ForkedRank:
+    """A rank forked by the zygote, with the part of ``subprocess.Popen``'s interface ``spawn_ranks`` uses."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.codes.get(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.zygote.changed:
+            if not self.zygote.changed.wait_for(lambda: self.returncode is not None or self.zygote.ready is None,
+                                                timeout):
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        if self.returncode is None:
+            raise RuntimeError(f"the rank zygote exited before rank pid {self.pid}")
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_rank(argv: list[str], env: dict[str, str], base_env: dict[str, str], cwd: Path, stdout: str, stderr: str,
+              ready_timeout: float) -> ForkedRank | None:
+    """``argv`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``, run as ``python -u`` would run it) forked
+    from this test worker's zygote, or None when ``env`` differs from ``base_env`` (the zygote's) in more than the
+    launcher's variables (the caller then starts an interpreter). The zygote is started on first use (with
+    ``base_env``, the same every call), and again if it died."""
+    differ = {k for k in env.keys() | base_env.keys() if env.get(k) != base_env.get(k)}
+    if differ - FORKABLE_DIFFERENCES or os.environ.get(SWITCH, "1") == "0":
+        return None
+    if not _ZYGOTE or not _ZYGOTE[0].alive():
+        _ZYGOTE[:] = [_Zygote(base_env, cwd)]
+    zygote = _ZYGOTE[0]
+    deadline = time.monotonic() + ready_timeout
+    with zygote.changed:
+        if not zygote.changed.wait_for(lambda: zygote.ready is not False, ready_timeout) or zygote.ready is None:
+            raise RuntimeError(f"the rank zygote did not start within {ready_timeout:.0f} s")
+    return ForkedRank(zygote, zygote.fork(argv, env, cwd, stdout, stderr, max(1.0, deadline - time.monotonic())))
+
+
+if __name__ == "__main__":
+    _become_rank(_serve())
