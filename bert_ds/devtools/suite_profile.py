@@ -34,7 +34,9 @@ _KINDS = (  # first match wins: (kind, regex on the command line)
     ("supervisor", r"bert_ds\.lifecycle\.supervise|bert-ds-deepspeed|bert-ds-mpirun"),
     ("ds-runner", r"deepspeed\.launcher\.runner|/bin/deepspeed\b"),
     ("ds-launch", r"deepspeed\.launcher\.launch\b"),
-    ("rank", r"bert_ds/runtime/pretrain\.py|bert_ds\.runtime\.pretrain|bert-ds-pretrain"),
+    # bert_ds's own test suite forks its spawned ranks from tests.helpers.rank_zygote: they carry its command line
+    # and its environment, so they are charged to no test
+    ("rank", r"bert_ds/runtime/pretrain\.py|bert_ds\.runtime\.pretrain|bert-ds-pretrain|tests\.helpers\.rank_zygote"),
     ("compiler", r"^\S*(cc1plus|g\+\+|gcc|c\+\+|clang\S*|ld|as|collect2|ptxas|nvdisasm)\b"),
     ("mpi", r"^\S*(mpirun|orterun|prterun|prted|orted)\b"),
     ("python", r"^\S*python[\d.]*\b|/\.venv/bin/"),

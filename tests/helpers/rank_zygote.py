@@ -11,9 +11,8 @@ per rank; the child becomes the rank exactly as ``python -u bert_ds/runtime/pret
 
 What is not the same: the rank's command line in ``/proc`` is this module's (no test finds these ranks by it: the
 launch paths, signals and kills are tested through real launchers, :func:`tests.helpers.ranks.rank_command`), and an
-import-time read of the environment sees this interpreter's. So a rank is forked only when its environment differs
-from the one this interpreter started with in the launcher's variables alone; otherwise ``spawn_ranks`` starts
-an interpreter as before.
+import-time read of the launcher's variables (``RANK``, ``MASTER_PORT``, ...) sees none: the zygote runs with the
+rank's environment less those (:func:`fork_rank`).
 
 ``python -m bert_ds.runtime.pretrain ARGS`` (one rank without a launcher, :func:`tests.helpers.ranks.run_ranks`) is
 forked the same way, the module run as ``__main__`` as ``-m`` runs it.
@@ -25,6 +24,7 @@ child ends (``os.waitstatus_to_exitcode``: -N when killed by signal N), and exit
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import importlib
@@ -93,6 +93,7 @@ def _become_rank(request: dict) -> None:
     """In the forked child: what ``python -u SCRIPT ARGS`` would have set up, then the script as ``__main__``."""
     import runpy
 
+    gc.unfreeze()  # the zygote's imports are the child's own heap, collected as a fresh interpreter's would be
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -195,23 +196,46 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_rank(argv: list[str], env: dict[str, str], base_env: dict[str, str], cwd: Path, stdout: str, stderr: str,
+def _close(zygote: _Zygote) -> None:
+    """End an idle zygote and reap it: its CPU time, its ranks' included, then counts as this process's children's."""
+    with contextlib.suppress(OSError):
+        zygote.proc.stdin.close()
+    try:
+        zygote.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        zygote.proc.kill()
+        zygote.proc.wait()
+
+
+def fork_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: str, stderr: str,
               ready_timeout: float) -> ForkedRank | None:
-    """``argv`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``, run as ``python -u`` would run it) forked
-    from this test worker's zygote, or None when ``env`` differs from ``base_env`` (the zygote's) in more than the
-    launcher's variables (the caller then starts an interpreter). The zygote is started on first use (with
-    ``base_env``, the same every call), and again if it died."""
-    differ = {k for k in env.keys() | base_env.keys() if env.get(k) != base_env.get(k)}
-    if differ - FORKABLE_DIFFERENCES or os.environ.get(SWITCH, "1") == "0":
+    """``argv`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``, run as ``python -u`` would run it) with ``env``,
+    forked from this test worker's zygote; None when :data:`SWITCH` is ``0`` (the caller then starts an interpreter).
+
+    The zygote runs with ``env`` less the launcher's variables (:data:`FORKABLE_DIFFERENCES`) and
+    ``PYTEST_CURRENT_TEST``: a rank whose environment differs from the running zygote's in anything else (a test's
+    own cache directory, a variable a test set) gets a new zygote started with it, so an import-time read of the
+    environment sees what the rank's own interpreter would have. It is called between launches, never while the
+    current zygote's ranks run."""
+    if os.environ.get(SWITCH, "1") == "0":
         return None
-    if not _ZYGOTE or not _ZYGOTE[0].alive():
-        _ZYGOTE[:] = [_Zygote(base_env, cwd)]
+    base = {k: v for k, v in env.items() if k not in FORKABLE_DIFFERENCES and k != "PYTEST_CURRENT_TEST"}
+    if _ZYGOTE and (not _ZYGOTE[0].alive() or _ZYGOTE[0].env != base):
+        _close(_ZYGOTE.pop())
+    if not _ZYGOTE:
+        _ZYGOTE.append(_Zygote(base, cwd))
     zygote = _ZYGOTE[0]
     deadline = time.monotonic() + ready_timeout
     with zygote.changed:
         if not zygote.changed.wait_for(lambda: zygote.ready is not False, ready_timeout) or zygote.ready is None:
             raise RuntimeError(f"the rank zygote did not start within {ready_timeout:.0f} s")
     return ForkedRank(zygote, zygote.fork(argv, env, cwd, stdout, stderr, max(1.0, deadline - time.monotonic())))
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    if _ZYGOTE:
+        _close(_ZYGOTE.pop())
 
 
 if __name__ == "__main__":

@@ -66,12 +66,12 @@ def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = Fa
 
 def _run_forked(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
     """``cmd`` (``python -m bert_ds.runtime.pretrain ARGS``) forked from the test worker's rank zygote and run to its
-    end, as ``subprocess.run`` with ``capture_output`` would; None when it cannot be forked (:func:`_start`)."""
+    end, as ``subprocess.run`` with ``capture_output`` would; None with ``BERT_DS_TESTS_FORK_RANKS=0``."""
     with tempfile.TemporaryDirectory(prefix="bert_ds-rank-") as logs:
         out, err = Path(logs) / "out", Path(logs) / "err"
         out.touch()
         err.touch()
-        rank = fork_rank(cmd[1:], env, _ZYGOTE_ENV, REPO, str(out), str(err), ready_timeout=timeout)
+        rank = fork_rank(cmd[1:], env, REPO, str(out), str(err), ready_timeout=timeout)
         if rank is None:
             return None
         try:
@@ -103,16 +103,11 @@ def _end_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             proc.wait()
 
 
-_ZYGOTE_ENV = child_env()
-"""The environment of the test worker's rank zygote: a child's as this worker started, before any test changed it."""
-
-
 def _start(argv: list[str], env: dict[str, str], out, err, timeout: float):
-    """The rank, forked from the test worker's zygote when it can be (:mod:`tests.helpers.rank_zygote`: the
-    pre-training script, an environment that differs from :data:`_ZYGOTE_ENV` only in the launcher's variables), else
-    its own interpreter."""
+    """The rank: the pre-training script forked from the test worker's zygote (:mod:`tests.helpers.rank_zygote`),
+    anything else (or with ``BERT_DS_TESTS_FORK_RANKS=0``) its own interpreter."""
     if argv[2] == str(PRETRAIN_SCRIPT):
-        rank = fork_rank(argv[2:], env, _ZYGOTE_ENV, REPO, out.name, err.name, ready_timeout=timeout)
+        rank = fork_rank(argv[2:], env, REPO, out.name, err.name, ready_timeout=timeout)
         if rank is not None:
             return rank
     return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=err)
