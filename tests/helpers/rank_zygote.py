@@ -38,12 +38,13 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["PRELOAD", "SWITCH", "ForkedRank", "fork_rank"]
+__all__ = ["PRELOAD", "SWITCH", "THIRD_PARTY", "ForkedRank", "fork_rank"]
 
-PRELOAD = ("torch", "torch._dynamo", "torch.utils.tensorboard", "deepspeed", "deepspeed.runtime.engine",
-           "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.muon.muon_optimizer",
-           "bert_ds.runtime.trainer", "bert_ds.runtime.preflight", "bert_ds.checkpoint")
-"""What this interpreter imports before it forks: the heavy imports every rank makes."""
+THIRD_PARTY = ("torch", "torch._dynamo", "torch.utils.tensorboard", "deepspeed", "deepspeed.runtime.engine",
+               "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.muon.muon_optimizer")
+"""The heavy imports every DeepSpeed rank makes (what a zygote for other modules imports before it forks)."""
+PRELOAD = (*THIRD_PARTY, "bert_ds.runtime.trainer", "bert_ds.runtime.preflight", "bert_ds.checkpoint")
+"""What a zygote for the pre-training script imports before it forks."""
 
 SWITCH = "BERT_DS_TESTS_FORK_RANKS"
 """``0`` in the test process: every rank starts its own interpreter (to compare, or to rule the zygote out)."""
@@ -57,10 +58,11 @@ def _say(line: str) -> None:
     os.write(1, (line + "\n").encode())
 
 
-def _serve() -> dict:
-    """Import, then fork one child per request, reporting pids and exits; returns only in a child, its request."""
+def _serve(preload: list[str]) -> dict:
+    """Import ``preload``, then fork one child per request, reporting pids and exits; returns only in a child, its
+    request."""
     gc.disable()  # as a rank starts (bert_ds.lifecycle.startup_gc): no collections while importing
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     gc.collect()
     gc.freeze()
@@ -117,9 +119,10 @@ def _become_rank(request: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ the test's side
 class _Zygote:
-    def __init__(self, env: dict[str, str], cwd: Path) -> None:
-        self.env = dict(env)
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "tests.helpers.rank_zygote"], cwd=cwd, env=env,
+    def __init__(self, env: dict[str, str], cwd: Path, preload: tuple[str, ...]) -> None:
+        self.env, self.preload = dict(env), preload
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "tests.helpers.rank_zygote", ",".join(preload)],
+                                     cwd=cwd, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.changed = threading.Condition()
         self.ready, self.pids, self.codes, self.next_id = False, {}, {}, 0
@@ -207,23 +210,23 @@ def _close(zygote: _Zygote) -> None:
         zygote.proc.wait()
 
 
-def fork_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: str, stderr: str,
-              ready_timeout: float) -> ForkedRank | None:
+def fork_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: str, stderr: str, ready_timeout: float,
+              preload: tuple[str, ...] = PRELOAD) -> ForkedRank | None:
     """``argv`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``, run as ``python -u`` would run it) with ``env``,
     forked from this test worker's zygote; None when :data:`SWITCH` is ``0`` (the caller then starts an interpreter).
 
-    The zygote runs with ``env`` less the launcher's variables (:data:`FORKABLE_DIFFERENCES`) and
-    ``PYTEST_CURRENT_TEST``: a rank whose environment differs from the running zygote's in anything else (a test's
-    own cache directory, a variable a test set) gets a new zygote started with it, so an import-time read of the
-    environment sees what the rank's own interpreter would have. It is called between launches, never while the
-    current zygote's ranks run."""
+    The zygote imports ``preload`` and runs with ``env`` less the launcher's variables
+    (:data:`FORKABLE_DIFFERENCES`) and ``PYTEST_CURRENT_TEST``: a rank whose environment differs from the running
+    zygote's in anything else (a test's own cache directory, a variable a test set), or that asks for another
+    ``preload``, gets a new zygote started with them, so an import-time read of the environment sees what the rank's
+    own interpreter would have. It is called between launches, never while the current zygote's ranks run."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
     base = {k: v for k, v in env.items() if k not in FORKABLE_DIFFERENCES and k != "PYTEST_CURRENT_TEST"}
-    if _ZYGOTE and (not _ZYGOTE[0].alive() or _ZYGOTE[0].env != base):
+    if _ZYGOTE and (not _ZYGOTE[0].alive() or _ZYGOTE[0].env != base or _ZYGOTE[0].preload != preload):
         _close(_ZYGOTE.pop())
     if not _ZYGOTE:
-        _ZYGOTE.append(_Zygote(base, cwd))
+        _ZYGOTE.append(_Zygote(base, cwd, preload))
     zygote = _ZYGOTE[0]
     deadline = time.monotonic() + ready_timeout
     with zygote.changed:
@@ -239,4 +242,4 @@ def _close_at_exit() -> None:
 
 
 if __name__ == "__main__":
-    _become_rank(_serve())
+    _become_rank(_serve(sys.argv[1].split(",")))

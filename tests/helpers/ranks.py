@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.helpers import HANG_GUARD_S, child_env, free_port
-from tests.helpers.rank_zygote import fork_rank
+from tests.helpers.rank_zygote import THIRD_PARTY, fork_rank
 
 __all__ = ["DEEPSPEED", "PRETRAIN_SCRIPT", "REPO", "VENV_BIN", "rank_command", "run_module_ranks", "run_ranks",
            "spawn_ranks"]
@@ -159,7 +159,8 @@ def run_module_ranks(world_size: int, out_dir: Path, module: str, args: list[str
     ``bert_ds.runtime``, which would pin its extension directory: they are pointed at the same one
     (:func:`~bert_ds.runtime.caches.extensions_root`, built by ``make venv``, and the venv's ninja first on ``PATH``,
     :func:`~bert_ds.runtime.caches.build_tools_path`), not torch's default, where DeepSpeed would compile its
-    shared-memory extension again (a minute of both cores)."""
+    shared-memory extension again (a minute of both cores). They are forked from a zygote that imported torch and
+    DeepSpeed alone (:data:`~tests.helpers.rank_zygote.THIRD_PARTY`), not bert_ds."""
     from bert_ds.runtime.caches import build_tools_path, extensions_root
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +174,8 @@ def run_module_ranks(world_size: int, out_dir: Path, module: str, args: list[str
                    PATH=build_tools_path())
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, "-m", module, *args]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
+        forked = fork_rank(cmd[1:], env, REPO, log.name, log.name, ready_timeout=HANG_GUARD_S, preload=THIRD_PARTY)
+        procs.append((forked or subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
     try:
         for p, _ in procs:
             p.wait(timeout=HANG_GUARD_S)
