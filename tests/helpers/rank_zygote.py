@@ -1,5 +1,5 @@
 """Ranks forked from one interpreter that has already imported what a rank imports (a "zygote"), for
-:func:`tests.helpers.ranks.spawn_ranks`.
+:mod:`tests.helpers.ranks` (``spawn_ranks``, ``run_ranks``, ``run_module_ranks``).
 
 Why. A tiny CPU rank spends most of its ~7 CPU seconds importing: torch (1.5 s), ``torch._dynamo`` (1.4 s: torch.optim's
 ``add_param_group`` imports it), DeepSpeed's Muon module (1.3 s: ZeRO's ``is_zero_supported_optimizer`` imports it

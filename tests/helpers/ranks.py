@@ -52,10 +52,7 @@ def run_ranks(cmd: list[str], *, timeout: float = HANG_GUARD_S, check: bool = Fa
               **env: str) -> subprocess.CompletedProcess:
     """Run ``cmd`` from the checkout to its end with :func:`~tests.helpers.child_env` (plus ``env``), capturing
     stdout and stderr; with ``check``, an exit code other than 0 fails the test showing both."""
-    if cmd[1:3] == ["-m", "bert_ds.runtime.pretrain"]:
-        proc = _run_forked(cmd, child_env(**env), timeout)
-    else:
-        proc = None
+    proc = _run_forked(cmd, child_env(**env), timeout) if cmd[1:3] == ["-m", "bert_ds.runtime.pretrain"] else None
     if proc is None:
         proc = subprocess.run(cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
