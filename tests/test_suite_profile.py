@@ -47,6 +47,7 @@ def test_cpu_is_charged_to_the_test_that_started_the_process(tmp_path, capsys):
 
 def test_kinds_from_command_lines():
     assert kind_of("/v/bin/python -u /r/bert_ds/runtime/pretrain.py --local_rank=1 --recipe r.json") == "rank"
+    assert kind_of("/v/bin/python -u -m tests.helpers.rank_zygote torch,deepspeed") == "rank"  # the forked ranks
     assert kind_of("/v/bin/python -u -m deepspeed.launcher.launch --world_info=e30=") == "ds-launch"
     assert kind_of("/v/bin/python -u -m deepspeed.launcher.runner --num_gpus 2 x.py") == "ds-runner"
     assert kind_of("/v/bin/python -m bert_ds.lifecycle.supervise --num_gpus 2 x.py") == "supervisor"
