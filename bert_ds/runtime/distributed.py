@@ -22,8 +22,8 @@ from bert_ds.errors import BadInput
 from bert_ds.runtime.caches import load_extensions, use_node_local_caches
 
 __all__ = ["LAUNCHER_INTEGERS", "check_launcher_env", "check_master_addr", "free_port", "init_distributed",
-           "launch_path", "leave_process_group", "leave_process_group_at_exit", "release_shm_buffers",
-           "seed_everything"]
+           "join_gloo_group", "launch_path", "leave_process_group", "leave_process_group_at_exit",
+           "release_shm_buffers", "seed_everything"]
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,19 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
                        f"as a free port (deepspeed --master_port N)") from None
     leave_process_group_at_exit()
     return dist.get_rank(), dist.get_world_size()
+
+
+def join_gloo_group() -> None:
+    """Join DeepSpeed's gloo group from the launcher's variables as they are (a benchmark's or a test's worker ranks,
+    which skip :func:`init_distributed`'s launcher handling), with the JIT extensions loaded from
+    :func:`~bert_ds.runtime.caches.extensions_root` first: left to DeepSpeed, the CPU backend builds its shared-memory
+    extension in torch's default directory, where processes of other kinds rebuilt it over each other (about a CPU
+    minute each). The group is left at exit (:func:`leave_process_group_at_exit`)."""
+    import deepspeed
+
+    load_extensions()
+    deepspeed.init_distributed(dist_backend="gloo")
+    leave_process_group_at_exit()
 
 
 def leave_process_group_at_exit() -> None:

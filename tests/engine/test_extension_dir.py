@@ -73,3 +73,15 @@ def test_the_prebuild_is_loaded_activated_or_not():
     second = _in_child(code, SYSTEM_PATH)
     third = _in_child(code, os.pathsep.join([SYSTEM_PATH, VENV_BIN]))
     assert first == second == third
+
+
+def test_every_process_group_is_joined_with_the_extensions_loaded_first():
+    """Only :mod:`bert_ds.runtime.distributed` starts DeepSpeed's group (``init_distributed``, ``join_gloo_group``,
+    both through ``load_extensions``): a program calling ``deepspeed.init_distributed`` itself had DeepSpeed build its
+    shared-memory extension in torch's default directory, where the suite's processes rebuilt it over each other."""
+    owner = REPO / "bert_ds" / "runtime" / "distributed.py"
+    sources = [*REPO.glob("bert_ds/**/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("tests/**/*.py")]
+    callers = sorted(p.relative_to(REPO).as_posix() for p in sources
+                     if p not in (owner, Path(__file__)) and "deepspeed.init_distributed(" in p.read_text())
+    assert callers == [], callers
+    assert caches.load_extensions.__name__ in owner.read_text().split("def join_gloo_group", 1)[1].split("\ndef ")[0]

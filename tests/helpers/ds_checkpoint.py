@@ -107,12 +107,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    import deepspeed
+    from bert_ds.runtime.distributed import join_gloo_group
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    from bert_ds.runtime.distributed import leave_process_group_at_exit
-
-    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
+    join_gloo_group()
     args.out.mkdir(parents=True, exist_ok=True)
     for stage in args.stages:
         write_checkpoint(args.out, stage)

@@ -144,16 +144,13 @@ def launch(world_size: int, out_dir: Path, jobs: list[str]) -> dict[str, list[di
 def _main() -> None:
     import argparse
 
-    import deepspeed
-
-    from bert_ds.runtime.distributed import leave_process_group_at_exit
+    from bert_ds.runtime.distributed import join_gloo_group
 
     ap = argparse.ArgumentParser(description="bf16 gradient-sum jobs, one rank per process")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--jobs", required=True, help="comma-separated jobs (module docstring), run in order")
     args = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
-    leave_process_group_at_exit()
+    join_gloo_group()
     for job in args.jobs.split(","):
         run_job(job, args.out)
 

@@ -303,7 +303,6 @@ def run_job(job: str, steps: int, data_dir: Path, vocab: Path, out: Path, seed: 
 
 
 def main() -> None:
-    import deepspeed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -316,10 +315,9 @@ def main() -> None:
     jobs = args.jobs.split(",")
     for job in jobs:
         parse_job(job)
-    deepspeed.init_distributed(dist_backend="gloo")
-    from bert_ds.runtime.distributed import leave_process_group_at_exit
+    from bert_ds.runtime.distributed import join_gloo_group
 
-    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
+    join_gloo_group()
     for job in jobs:
         run_job(job, args.steps, args.data, args.vocab, args.out, args.seed)
 

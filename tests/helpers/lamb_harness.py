@@ -291,7 +291,6 @@ def launch_precision_runs(world_size: int, out_dir: Path, jobs: list[str], steps
 def _precision_worker_main() -> None:
     import argparse
 
-    import deepspeed
 
     ap = argparse.ArgumentParser(description="precision jobs of launch_precision_runs, one rank per process")
     ap.add_argument("--out", type=Path, required=True)
@@ -300,10 +299,9 @@ def _precision_worker_main() -> None:
     ap.add_argument("--data", type=Path, required=True, help="a seq-128 shard set")
     ap.add_argument("--vocab", type=Path, required=True, help="the shard set's vocab.txt")
     args = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
-    from bert_ds.runtime.distributed import leave_process_group_at_exit
+    from bert_ds.runtime.distributed import join_gloo_group
 
-    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
+    join_gloo_group()
     for job in args.jobs.split(","):
         run_precision_job(job, args.steps, args.data, args.vocab, args.out)
 

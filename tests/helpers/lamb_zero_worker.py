@@ -40,7 +40,7 @@ from bert_ds.optim import (
     build_optimizer,
     param_groups,
 )
-from bert_ds.runtime.distributed import leave_process_group_at_exit
+from bert_ds.runtime.distributed import join_gloo_group
 from tests.helpers.lamb_harness import BETAS, CLIP, EPS, GLOBAL_BATCH, LR, WEIGHT_DECAY, NaiveLamb, batch, make_model
 from tests.helpers.lamb_per_tensor import PerTensorLamb
 
@@ -196,8 +196,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ckpt_from", type=Path, default=None, help="output folder of an earlier ckpt_elastic job")
     args = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
-    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
+    join_gloo_group()
     rank = int(os.environ["RANK"])
     for job in args.jobs.split(","):
         result = run_job(job, args.steps, args.out, args.ckpt_from)

@@ -84,7 +84,7 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
     """Serves ``directory``; ``faults[name]`` is a list of faults, one consumed per GET of that object: ``drop``
     (close the connection halfway through the body), ``stall`` (send half the body, then nothing for ``STALL_S``),
     ``corrupt`` (flip one byte), ``404``, ``503``; ``ok`` serves it.
-    ``served`` counts the body bytes sent per object."""
+    ``served`` counts the body bytes each GET sends, added before they are written."""
 
     faults: dict[str, list[str]]
     served: dict[str, int]
@@ -113,12 +113,12 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         body = bytes(data[:len(data) // 2]) if fault in ("drop", "stall") else bytes(data)
+        with self.lock:  # before the write: a client that has read the body may look at once
+            self.served[name] = self.served.get(name, 0) + len(body)
         self.wfile.write(body)
         if fault == "stall":
             self.wfile.flush()
             time.sleep(STALL_S)
-        with self.lock:
-            self.served[name] = self.served.get(name, 0) + len(body)
         if fault == "drop":
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_RDWR)

@@ -20,7 +20,6 @@ from bert_ds.data.batch import MODEL_INPUTS
 
 
 def main() -> None:
-    import deepspeed
     import deepspeed.comm as dist
 
     from bert_ds.data.index import vocab_sha256
@@ -35,10 +34,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=Path, required=True, help="the shard set's vocab.txt")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
-    from bert_ds.runtime.distributed import leave_process_group_at_exit
+    from bert_ds.runtime.distributed import join_gloo_group
 
-    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
+    join_gloo_group()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     recipe = load_recipe(args.recipe)
     phase = recipe.phases[0]

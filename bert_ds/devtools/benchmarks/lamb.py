@@ -185,10 +185,9 @@ def overhead_rank(preset: str, steps: int) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    from bert_ds.runtime.distributed import leave_process_group_at_exit
+    from bert_ds.runtime.distributed import join_gloo_group
 
-    leave_process_group_at_exit()  # gloo torn down at exit aborts a rank now and then
+    join_gloo_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = bert_param_shapes(model_preset(preset))
     results = {}
