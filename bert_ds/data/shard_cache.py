@@ -211,9 +211,10 @@ class ShardCache:
             try:
                 size, digest = with_retries("downloading", url, self.store.store, lambda: self._fetch_to(tmp, info))
                 if size == info.bytes and digest == info.sha256:
-                    os.replace(tmp, self.path(shard))
+                    # counted before the shard is published: a reader that waits for it may read the stats at once
                     self.stats[0] += size
                     self.stats[1] += 1
+                    os.replace(tmp, self.path(shard))
                     return
             finally:
                 tmp.unlink(missing_ok=True)  # after the rename it is gone; else a failed or mismatched download

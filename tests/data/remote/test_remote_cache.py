@@ -143,6 +143,24 @@ def test_a_store_failing_through_every_try_is_retryable_not_bad_input(shard_set,
     assert not list(cache.dir.glob("shard-000001.tar*")) and not list(cache.dir.glob(".shard-000001.tar.*"))
 
 
+def test_a_download_is_counted_before_its_shard_appears(shard_set, http, tmp_path, monkeypatch):
+    """A reader that finds the shard in place (another thread's prefetch) may read the stats at once: the counts
+    must already hold that download (the bounded-cache test above saw one short now and then)."""
+    from bert_ds.data import shard_cache
+
+    cache = ShardCache(f"{http.url}/set/", _options(tmp_path))
+    seen, real_replace = [], os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "shard-000001.tar":
+            seen.append((int(cache.stats[1]), int(cache.stats[0])))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(shard_cache.os, "replace", replace)
+    cache.ensure(1)
+    assert seen == [(1, (shard_set / "shard-000001.tar").stat().st_size)]
+
+
 def test_corrupt_object_refused_after_one_redownload(shard_set, http, tmp_path):
     http.faults["shard-000002.tar"] = ["corrupt", "corrupt"]
     cache = ShardCache(f"{http.url}/set/", _options(tmp_path))
