@@ -158,13 +158,12 @@ def test_bf16_twin_rule_passes_correct_rounding_and_fails_a_systematic_error(gai
     assert (norm <= 0.5) if passes else (norm > BF16_NORM_EPS), details
 
 
-@pytest.mark.slow  # ~20 s: two interpreted tiny training runs and two torch ones
+@pytest.mark.slow  # ~10 s: an interpreted tiny training run and a torch one
 def test_golden_run_fails_when_a_triton_kernel_is_off(monkeypatch):
+    """The same check with the kernels as shipped passes: interpreter.train.tiny in the dry-mode test above."""
     import bert_ds.kernels as kernels
     from bert_ds.devtools.gpu_check import _tiny_training_check
 
-    ok, details = _tiny_training_check()
-    assert ok, details
     kernel = kernels._LAYER_NORM["triton"]
     monkeypatch.setitem(kernels._LAYER_NORM, "triton", lambda *a: kernel(*a) * 1.02)
     ok, details = _tiny_training_check()
