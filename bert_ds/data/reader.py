@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -137,6 +138,14 @@ class _OpenShard:
         self.where = where
 
 
+def _unlinked(handle: _OpenShard) -> bool:
+    """The shard's file is no longer in its directory (a cache evicted or replaced it) though it is still mapped."""
+    try:
+        return os.fstat(handle.file.fileno()).st_nlink == 0
+    except OSError:
+        return True
+
+
 class ShardReader:
     """Samples of one shard set, addressed by (shard, index) or by global sample id.
 
@@ -144,7 +153,8 @@ class ShardReader:
     archive order). Shards are opened and verified lazily and per process, so a reader can be built in the main
     process and used in forked DataLoader workers; pickling drops the open maps. At most ``max_open_shards`` stay
     mapped (least recently used are closed; a shard set can hold more shards than a process may open files); a
-    reopened shard is rescanned and size-checked again but not re-hashed.
+    reopened shard is rescanned and size-checked again but not re-hashed. With ``fetch`` (a set read through a
+    cache), a mapped shard whose file the cache evicted is closed, and fetched again when it is read next.
     """
 
     def __init__(self, data_dir: str | Path, *, verify: str = "size", index: ShardIndex | None = None,
@@ -192,11 +202,16 @@ class ShardReader:
         """Map and verify shard ``shard`` (once per process); raises :class:`ShardError` on any mismatch."""
         handle = self._open.get(shard)
         if handle is not None:
-            self._open.move_to_end(shard)
-            return handle
+            if self.fetch is None or not _unlinked(handle):
+                self._open.move_to_end(shard)
+                return handle
+            self._close(shard)  # the cache evicted it (--cache-limit): fetched again below
         info = self.index.shards[shard]
         path, where = self.shard_path(shard)
         if self.fetch is not None:
+            # A cached shard the cache has evicted still holds its disk space while it is mapped: let it go.
+            for old in [s for s, h in self._open.items() if _unlinked(h)]:
+                self._close(old)
             self.fetch(shard)
         self.check_size(shard)
         if self.verify == "sha256" and shard not in self._hashed:
@@ -226,10 +241,13 @@ class ShardReader:
         handle = _OpenShard(file, map_, members, where)
         self._open[shard] = handle
         while len(self._open) > self.max_open_shards:
-            _, old = self._open.popitem(last=False)
-            old.map.close()
-            old.file.close()
+            self._close(next(iter(self._open)))
         return handle
+
+    def _close(self, shard: int) -> None:
+        handle = self._open.pop(shard)
+        handle.map.close()
+        handle.file.close()
 
     def check_size(self, shard: int) -> None:
         """The cheapest check (one stat): shard ``shard`` exists with the byte size index.json records."""

@@ -61,6 +61,39 @@ def test_pickle_drops_open_maps(shard_dir):
     assert _gid(clone.get(5)) == 5
 
 
+def test_a_shard_its_cache_evicted_is_let_go_and_fetched_again(shard_dir, tmp_path):
+    """Read through a cache (``fetch``): a mapped shard whose file was removed (evicted under --cache-limit) is
+    closed when another shard is opened, so its disk space is freed, and fetched again when it is read next. A
+    local set (no ``fetch``) keeps reading what it mapped."""
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    fetched = []
+
+    def fetch(shard: int) -> None:
+        fetched.append(shard)
+        path = shard_dir / shard_name(shard)
+        if not path.exists():
+            path.write_bytes((spare / path.name).read_bytes())
+
+    def evict(shard: int) -> None:
+        path = shard_dir / shard_name(shard)
+        (spare / path.name).write_bytes(path.read_bytes())
+        path.unlink()
+
+    reader = ShardReader(shard_dir, fetch=fetch)
+    assert _gid(reader.get(5)) == 5 and fetched == [0]
+    evict(0)
+    assert _gid(reader.get(105)) == 105 and fetched == [0, 1] and list(reader._open) == [1]  # shard 0 let go
+    assert _gid(reader.get(6)) == 6 and fetched == [0, 1, 0]
+    evict(1)
+    assert _gid(reader.get(106)) == 106 and fetched == [0, 1, 0, 1]  # a mapped shard read after its eviction
+    assert _gid(reader.get(107)) == 107 and fetched == [0, 1, 0, 1]  # present: the map serves it
+    local = ShardReader(shard_dir)
+    local.get(105)
+    (shard_dir / shard_name(1)).unlink()
+    assert _gid(local.get(205)) == 205 and _gid(local.get(106)) == 106
+
+
 def test_sha256_mismatch_names_shard_and_field(shard_dir):
     path = shard_dir / shard_name(1)
     data = bytearray(path.read_bytes())
