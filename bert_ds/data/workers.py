@@ -83,10 +83,11 @@ def _from_workers(dataset: Dataset, indices: Iterator[int] | Sampler, num_worker
     loader = DataLoader(_Guarded(dataset), batch_size=None, sampler=indices, num_workers=num_workers,
                         prefetch_factor=prefetch_factor, collate_fn=_identity, generator=generator,
                         worker_init_fn=functools.partial(_init_worker, slots))
-    it = iter(loader)
+    before = {child.pid for child in multiprocessing.active_children()}
+    it = iter(loader)  # starts the workers
+    _POOL_PIDS.update(child.pid for child in multiprocessing.active_children() if child.pid not in before)
     watch = (slots, dataset.collate.reader)
     _WATCHED[id(watch)] = watch
-    _POOL_SLOTS.append(slots)
     _record_worker_deaths()
     _stop_workers_at_exit()
     try:
@@ -180,9 +181,10 @@ def _record_worker_deaths() -> None:
 
 
 _EXIT_HOOKED = False
-_POOL_SLOTS: list = []
-"""The (pid, shard, index) slots of every pool this process started: a pool no longer watched may still have live
-workers (its iterator kept alive by a reference cycle or a caller), and they ignore SIGTERM too."""
+_POOL_PIDS: set[int] = set()
+"""Every worker of every pool this process started, recorded as it starts: a pool no longer watched may still have
+live workers (its iterator kept alive by a reference cycle or a caller), and a worker that has not yet written its
+pid to its slot (:func:`_init_worker`) may already ignore SIGTERM when this process exits."""
 
 
 def _stop_workers_at_exit() -> None:
@@ -198,8 +200,7 @@ def _stop_workers_at_exit() -> None:
 
 
 def _kill_open_pools() -> None:
-    ours = {int(pid) for slots in _POOL_SLOTS for pid in np.frombuffer(slots, dtype=np.int64)[0::3] if pid}
-    live = [child for child in multiprocessing.active_children() if child.pid in ours]  # our children only
+    live = [child for child in multiprocessing.active_children() if child.pid in _POOL_PIDS]  # our workers only
     if not live:
         return
     if threading.current_thread() is threading.main_thread():

@@ -373,8 +373,17 @@ def test_a_dead_worker_is_recorded_then_raised_at_the_step_boundary(data, tmp_pa
 
 
 _EXIT_MID_EPOCH = """\
-import sys
+import signal, sys, time
+import bert_ds.data.workers as workers
 from bert_ds.data.loader import build_loader
+if len(sys.argv) > 2:  # worker 1 ignores SIGTERM but is still starting (its pid not yet in its slot) when we exit
+    init = workers._init_worker
+    def slow_init(slots, worker_id):
+        if worker_id == 1:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(float(sys.argv[2]))
+        init(slots, worker_id)
+    workers._init_worker = slow_init
 loader = build_loader(sys.argv[1], global_batch_size=64, micro_batch_size=16, rank=0, world_size=1, num_workers=2)
 stream = iter(loader)
 next(stream)
@@ -383,9 +392,11 @@ raise SystemExit("a rank's one-line error while its loader is mid-epoch")
 """
 
 
-def test_exit_mid_epoch_stops_the_workers(data, tmp_path):
+@pytest.mark.parametrize("starting", [None, "3"], ids=["started", "worker-still-starting"])
+def test_exit_mid_epoch_stops_the_workers(data, tmp_path, starting):
     """Workers ignore SIGTERM (a group SIGTERM must not kill them before the rank's checkpoint); a rank that exits
-    while a pool is open still ends, and its workers with it (multiprocessing's exit hook alone would wait on them)."""
+    while a pool is open still ends, and its workers with it (multiprocessing's exit hook alone would wait on them),
+    also a worker still starting when the rank exits (on a loaded machine the exit hook waited on it for ever)."""
     import os
     import subprocess
     import sys
@@ -395,8 +406,8 @@ def test_exit_mid_epoch_stops_the_workers(data, tmp_path):
 
     script = tmp_path / "exit_mid_epoch.py"
     script.write_text(_EXIT_MID_EPOCH)
-    proc = subprocess.run([sys.executable, str(script), str(data)], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=HANG_GUARD_S)
+    proc = subprocess.run([sys.executable, str(script), str(data), *([starting] if starting else [])], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 1 and "mid-epoch" in proc.stderr, proc.stderr[-3000:]
     pids = [int(p) for p in proc.stdout.split()[1:]]
     assert len(pids) == 2, proc.stdout
