@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bert_ds.data.english_corpus import build_english_corpus
-from tests.helpers.shared import built_once
+from tests.helpers.shared import built_once, session_root
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +61,16 @@ def fault_reference_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory)
 
     return built_once(tmp_path_factory, "fault_reference",
                       lambda root: train_fault_run(root, shards_128, shards_512, tokenizer_dir)) / "run"
+
+
+@pytest.fixture(scope="session")
+def compile_cache_env(tmp_path_factory) -> dict[str, str]:
+    """``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` for a process that compiles with inductor: one directory
+    pair per test session, shared by every worker and rank (inductor writes its entries atomically), so a graph a
+    test compiled is not generated and built again by the next test that compiles the same one."""
+    root = session_root(tmp_path_factory)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "shared-inductor-cache"),
+            "TRITON_CACHE_DIR": str(root / "shared-triton-cache")}
 
 
 @pytest.fixture(scope="session")

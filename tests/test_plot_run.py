@@ -1,5 +1,5 @@
 """``bert-ds-plot-run`` (``bert_ds.devtools.plot_run``, also ``tools/plot_run.py``) on the event files of a real
-two-phase run (one process, real English shards, eval data)."""
+two-phase run (one process, real English shards, held-out English eval data)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,25 @@ pytestmark = pytest.mark.e2e  # a fixture trains on real ranks
 
 
 @pytest.fixture(scope="module")
-def short_run(shards_128, shards_512, tokenizer_dir, tmp_path_factory) -> Path:
-    """SMALL_RECIPE (4 + 2 steps, a point per step) with held-out eval at each phase end."""
+def short_run(shards_128, shards_512, tokenizer_dir, english_corpus, tmp_path_factory) -> Path:
+    """SMALL_RECIPE (4 + 2 steps, a point per step) with held-out eval at each phase end: the corpus's last
+    documents (~40k characters) at seq 128 and 512, a few dozen samples each (the curves need a point per phase end,
+    not the thousands of samples of the training sets)."""
+    from bert_ds.data.create import create_shards
+
     tmp = tmp_path_factory.mktemp("plot_run")
+    docs = english_corpus.read_text(encoding="utf-8").strip().split("\n\n")
+    tail = []
+    while sum(map(len, tail)) < 40_000:
+        tail.insert(0, docs.pop())
+    (tmp / "heldout.txt").write_text("\n\n".join(tail) + "\n", encoding="utf-8")
+    held_out = [tmp / f"eval{seq}" for seq in (128, 512)]
+    for seq, out in zip((128, 512), held_out, strict=True):
+        create_shards([tmp / "heldout.txt"], tokenizer_dir, out, seq_len=seq, seed=4321, progress=False)
     recipe = write_recipe(tmp / "recipe.json")
     run = tmp / "run"
     run_pretrain(["--recipe", str(recipe), "--data", str(shards_128), str(shards_512), "--tokenizer",
-                  str(tokenizer_dir), "--eval-data", str(shards_128), str(shards_512), "--output", str(run)])
+                  str(tokenizer_dir), "--eval-data", *map(str, held_out), "--output", str(run)])
     return run
 
 

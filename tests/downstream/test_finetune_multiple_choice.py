@@ -15,7 +15,7 @@ CHANCE = 0.25  # 4 endings
 
 @pytest.mark.slow  # minutes of CPU fine-tuning
 def test_swag_layout_beats_chance(hub_bert, corpus_documents, tmp_path):
-    data = write_swag(corpus_documents, tmp_path / "swag", n_train=128, n_dev=64)
+    data = write_swag(corpus_documents, tmp_path / "swag", n_train=64, n_dev=64)
     out = tmp_path / "swag_model"
     assert main(["--model", str(hub_bert), "--task", "swag", "--data-dir", str(data), "--out", str(out),
                  "--epochs", "2", "--learning-rate", "1e-4", "--device", "cpu", "--max-seq-length", "64",

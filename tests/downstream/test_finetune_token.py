@@ -29,7 +29,7 @@ def test_first_subword_carries_the_tag(hub_bert, tmp_path):
 
 @pytest.mark.slow  # minutes of CPU fine-tuning
 def test_conll_layout_entity_f1(hub_bert, corpus_documents, tmp_path):
-    data = write_conll(corpus_documents, tmp_path / "conll", n_train=192, n_dev=64)
+    data = write_conll(corpus_documents, tmp_path / "conll", n_train=96, n_dev=64)
     out = tmp_path / "ner"
     assert main(["--model", str(hub_bert), "--task", "conll2003", "--data-dir", str(data), "--out", str(out),
                  "--epochs", "4", "--learning-rate", "2e-4", "--device", "cpu", "--max-seq-length", "64",

@@ -17,7 +17,8 @@ from tests.helpers.faults import Launch, Trigger, execute, fault_recipe, kill_ra
 from tests.helpers.ranks import rank_command, spawn_ranks
 from tests.helpers.runs import weights
 
-# Three launches that each compile (the first cold, the others from the shared inductor cache) on 2 busy cores.
+# Three launches that each compile (the first cold unless an earlier test compiled the same graphs, the others from the
+# session's inductor cache) on 2 busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3 * HANG_GUARD_S)]
 
 PHASE1_STEPS = 4
@@ -29,11 +30,12 @@ def _args(recipe, run, shards_128, shards_512, tokenizer_dir, *extra):
             "--output", str(run), *extra]
 
 
-def test_compiled_tiny_cpu_resumes_bit_exact_after_kill_9(shards_128, shards_512, tokenizer_dir, tmp_path):
+def test_compiled_tiny_cpu_resumes_bit_exact_after_kill_9(shards_128, shards_512, tokenizer_dir, compile_cache_env,
+                                                           tmp_path):
     recipe = fault_recipe(tmp_path / "recipe.json", compile=True, **{
         "phases.0.steps": PHASE1_STEPS, "phases.1.steps": 1})
     assert json.loads(recipe.read_text())["model"] == "tiny"
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env = compile_cache_env
     common = (shards_128, shards_512, tokenizer_dir)
 
     # The uninterrupted run and the resume are spawned directly (tests.helpers.ranks.spawn_ranks); the kill needs the

@@ -135,11 +135,12 @@ def _loss_and_grads(model: BertForPreTraining, batch, seed: int) -> tuple[torch.
 
 
 @pytest.mark.slow  # inductor generates and compiles C++ for the layer's forward and backward: minutes on 2 cores
-def test_inductor_step_is_reproducible_and_draws_its_own_masks(tmp_path, monkeypatch):
+def test_inductor_step_is_reproducible_and_draws_its_own_masks(compile_cache_env, monkeypatch):
     """Compiled with inductor: the same seed gives the same loss and gradients bit for bit (so a resumed run
     reproduces the masks); dropout off, the compiled step equals the eager one to fp32 rounding; dropout on, it draws
     other masks than eager (the documented difference: compiled runs resume against compiled runs)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for name, value in compile_cache_env.items():
+        monkeypatch.setenv(name, value)
     torch._dynamo.reset()
     batch = _batch(random.Random(3))
     for dropout in (0.1, 0.0):
