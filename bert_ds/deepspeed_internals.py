@@ -19,6 +19,7 @@ ZeroAwareLamb what setups it refuses (:func:`zero_setup`), :mod:`bert_ds.checkpo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import warnings
@@ -31,13 +32,13 @@ from bert_ds.errors import BadInput
 if TYPE_CHECKING:  # torch is imported where used: bert_ds.lifecycle.supervise reads these names without it
     import torch
 
-__all__ = ["LAUNCH_MODULE", "LOSS_SCALE_ATTRIBUTE", "MODEL_STATES_NAME", "PICKLED_CLASSES", "RUNNER_MODULE",
-           "SHM_BUFFER_GLOB", "SHM_COMM_BUILDER", "SUPPORTED_DEEPSPEED", "ZERO3_OPTIMIZER_ATTRIBUTES",
-           "ZERO_CHECKPOINT_KEYS",
-           "ZERO_OPTIMIZER_ATTRIBUTES", "ZERO_OPTIMIZER_CLASS", "ZERO_OPTIMIZER_METHODS", "ZERO_PARTITION_FILE",
-           "ENGINE_WRAPPER_CHOICE", "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup", "check_deepspeed_version",
-           "is_elastic_zero_state", "is_zero3_optimizer", "loss_scale", "quiet_moot_warnings", "recut_zero_partitions",
-           "shm_comm_builder", "zero1_keeps_zero_optimizer", "zero_partition_map", "zero_setup"]
+__all__ = ["ENGINE_WRAPPER_CHOICE", "LAUNCH_MODULE", "LOSS_SCALE_ATTRIBUTE", "MODEL_STATES_NAME", "MUON_MODULE",
+           "PICKLED_CLASSES", "RUNNER_MODULE", "SHM_BUFFER_GLOB", "SHM_COMM_BUILDER", "SUPPORTED_DEEPSPEED",
+           "ZERO3_OPTIMIZER_ATTRIBUTES", "ZERO_CHECKPOINT_KEYS", "ZERO_OPTIMIZER_ATTRIBUTES", "ZERO_OPTIMIZER_CLASS",
+           "ZERO_OPTIMIZER_METHODS", "ZERO_PARTITION_FILE", "ZeroGroupPartition", "ZeroPartitionMap", "ZeroSetup",
+           "check_deepspeed_version", "import_muon_compiling_on_first_call", "is_elastic_zero_state",
+           "is_zero3_optimizer", "loss_scale", "quiet_moot_warnings", "recut_zero_partitions", "shm_comm_builder",
+           "zero1_keeps_zero_optimizer", "zero_partition_map", "zero_setup"]
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
 """Supported DeepSpeed releases: ``>= 0.19, < 0.20`` (the internals below are those of 0.19.x)."""
@@ -149,6 +150,52 @@ def quiet_moot_warnings() -> None:
         logger.addFilter(_DropMessages(MOOT_LOG_MESSAGES))
     for message in MOOT_FUTURE_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+"""DeepSpeed's Muon optimizer module. 0.19 imports it on first use, whatever the optimizer: ZeRO's
+``is_zero_supported_optimizer`` (``runtime/zero/utils.py``) during ``deepspeed.initialize``, and ZeRO 1/2's
+``average_tensor`` (``runtime/zero/stage_1_and_2.py``). Its ``original_muon.py`` decorates three functions with
+``torch.compile`` at import, which imports inductor's compiler (``torch._inductor.compile_fx``)."""
+
+
+def import_muon_compiling_on_first_call() -> None:
+    """Import :data:`MUON_MODULE` with each ``torch.compile`` its import applies deferred to the decorated function's
+    first call (then compiled as the decorator would have, with the same arguments), unless it is imported already.
+
+    Only the Muon optimizer calls those functions and bert_ds trains with LAMB or AdamW, so a rank no longer spends
+    start-up importing inductor for them: 1.5 of the ~8 CPU seconds a ``tiny`` ZeRO-2 rank used on 2 cores (with
+    ``python -X importtime``, in every rank a launcher starts). DeepSpeed defers ``torch._disable_dynamo`` the same
+    way and for the same reason (``runtime/compiler.py``, ``lazy_disable``). ``torch.compile`` is the original again
+    when this returns, also if the import raises."""
+    import importlib
+    import sys
+
+    import torch
+
+    if MUON_MODULE in sys.modules:
+        return
+    eager = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:  # @torch.compile(mode=...): the decorator's arguments first
+            return lambda fn: deferred(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def compile_on_first_call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = eager(model, **options)
+            return compiled(*args, **kwargs)
+
+        return compile_on_first_call
+
+    torch.compile = deferred
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        torch.compile = eager
 
 
 def _supported_range() -> str:

@@ -18,7 +18,12 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds.config import BertConfig
-from bert_ds.deepspeed_internals import check_deepspeed_version, quiet_moot_warnings, zero1_keeps_zero_optimizer
+from bert_ds.deepspeed_internals import (
+    check_deepspeed_version,
+    import_muon_compiling_on_first_call,
+    quiet_moot_warnings,
+    zero1_keeps_zero_optimizer,
+)
 from bert_ds.errors import BadInput
 from bert_ds.model import BertForPreTraining
 from bert_ds.model.compile import compile_model
@@ -212,6 +217,7 @@ def initialize_deepspeed(model: torch.nn.Module, optimizer: torch.optim.Optimize
     gradient sums keeps DeepSpeedZeroOptimizer (:func:`bert_ds.deepspeed_internals.zero1_keeps_zero_optimizer`; the
     layout ZeroAwareLamb binds to and the checkpoint format bert_ds re-cuts), and the moot warnings stay quiet."""
     quiet_moot_warnings()
+    import_muon_compiling_on_first_call()  # DeepSpeed imports it in deepspeed.initialize; inductor is not needed
     with zero1_keeps_zero_optimizer():
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config)

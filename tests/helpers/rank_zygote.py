@@ -2,8 +2,9 @@
 :mod:`tests.helpers.ranks` (``spawn_ranks``, ``run_ranks``, ``run_module_ranks``).
 
 Why. A tiny CPU rank spends most of its ~7 CPU seconds importing: torch (1.5 s), ``torch._dynamo`` (1.4 s: torch.optim's
-``add_param_group`` imports it), DeepSpeed's Muon module (1.3 s: ZeRO's ``is_zero_supported_optimizer`` imports it
-and its ``torch.compile`` decorators import inductor), DeepSpeed, TensorBoard (``python -X importtime``, 2 cores).
+``add_param_group`` imports it), DeepSpeed, TensorBoard (``python -X importtime``, 2 cores). DeepSpeed's Muon module is
+imported as a rank imports it (:func:`bert_ds.deepspeed_internals.import_muon_compiling_on_first_call`: without
+inductor), so a forked rank's heap is a started rank's.
 The suite starts a few hundred ranks. Here one interpreter per test worker pays those imports once and forks a child
 per rank; the child becomes the rank exactly as ``python -u bert_ds/runtime/pretrain.py --local_rank=I ARGS`` would
 (the same environment, working directory, ``sys.argv``, ``sys.path[0]`` and stdout/stderr files, the script run as
@@ -38,10 +39,12 @@ import threading
 import time
 from pathlib import Path
 
+from bert_ds.deepspeed_internals import MUON_MODULE, import_muon_compiling_on_first_call
+
 __all__ = ["PRELOAD", "SWITCH", "THIRD_PARTY", "ForkedRank", "fork_rank"]
 
 THIRD_PARTY = ("torch", "torch._dynamo", "torch.utils.tensorboard", "deepspeed", "deepspeed.runtime.engine",
-               "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.muon.muon_optimizer")
+               "deepspeed.runtime.zero.stage_1_and_2", MUON_MODULE)
 """The heavy imports every DeepSpeed rank makes (what a zygote for other modules imports before it forks)."""
 PRELOAD = (*THIRD_PARTY, "bert_ds.runtime.trainer", "bert_ds.runtime.preflight", "bert_ds.checkpoint")
 """What a zygote for the pre-training script imports before it forks."""
@@ -63,7 +66,10 @@ def _serve(preload: list[str]) -> dict:
     request."""
     gc.disable()  # as a rank starts (bert_ds.lifecycle.startup_gc): no collections while importing
     for name in preload:
-        importlib.import_module(name)
+        if name == MUON_MODULE:
+            import_muon_compiling_on_first_call()  # as bert_ds.runtime.engine imports it before deepspeed.initialize
+        else:
+            importlib.import_module(name)
     gc.collect()
     gc.freeze()
     gc.enable()
