@@ -23,7 +23,9 @@ checks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -298,10 +300,29 @@ def cuobjdump_path() -> str:
 
 
 def _cuobjdump(cubin: bytes, *flags: str) -> str:
+    """``cuobjdump FLAGS`` of ``cubin``, kept beside Triton's kernel cache (``bert_ds-cuobjdump/`` in
+    ``triton.knobs.cache.dir``) under a hash of the cubin, the flags and the cuobjdump binary: the kernel report and
+    gpu-check read the same builds, and a listing costs a cuobjdump and an nvdisasm process (0.3 CPU s a build)."""
+    tool = cuobjdump_path()
+    stat = os.stat(tool)
+    key = hashlib.sha256(b"\0".join([cubin, " ".join(flags).encode(), f"{tool} {stat.st_size} {stat.st_mtime_ns}"
+                                      .encode()])).hexdigest()
+    cached = os.path.join(triton.knobs.cache.dir, "bert_ds-cuobjdump", key)
+    try:
+        with open(cached, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        pass
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([cuobjdump_path(), *flags, f.name], check=True, capture_output=True, text=True).stdout
+        listing = subprocess.run([tool, *flags, f.name], check=True, capture_output=True, text=True).stdout
+    with contextlib.suppress(OSError):  # a cache that cannot be written costs the next call a cuobjdump, no more
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(cached), delete=False) as out:
+            out.write(listing)
+        os.replace(out.name, cached)
+    return listing
 
 
 def sass(cubin: bytes) -> str:

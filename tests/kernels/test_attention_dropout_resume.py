@@ -20,7 +20,7 @@ from bert_ds.config import model_preset
 from bert_ds.model import BertForPreTraining
 from bert_ds.runtime.trainer import DropoutKey
 
-STEPS, RESUME_AT = 3, 2
+STEPS, RESUME_AT = 2, 1
 
 
 def _batch(step: int) -> tuple[torch.Tensor, ...]:

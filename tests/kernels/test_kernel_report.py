@@ -55,3 +55,28 @@ def test_kernel_report_refuses_an_interpreter_process():
     build = aot.kernel_builds(aot.TARGETS[:1], aot.bert_shapes()[:1], entries=aot.ENTRIES[:1])[0]
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         aot.compile_build(build)
+
+
+def test_listings_are_kept_per_cubin_flags_and_cuobjdump(tmp_path, monkeypatch):
+    """cuobjdump runs once per (cubin, flags, cuobjdump binary); the listing it printed is what later calls return."""
+    import triton
+
+    from bert_ds.kernels import aot
+
+    calls = tmp_path / "calls"
+    tool = tmp_path / "cuobjdump"
+    tool.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "listing $1"; cat "$2"\n')
+    tool.chmod(0o755)
+    monkeypatch.setattr(aot, "cuobjdump_path", lambda: str(tool))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "cache"))
+
+    def ran() -> int:
+        return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+    assert aot._cuobjdump(b"cubin A", "-sass") == "listing -sass\ncubin A"
+    assert aot._cuobjdump(b"cubin A", "-sass") == "listing -sass\ncubin A" and ran() == 1
+    assert aot._cuobjdump(b"cubin A", "--dump-resource-usage").startswith("listing --dump-resource-usage") and ran() == 2
+    assert aot._cuobjdump(b"cubin B", "-sass") == "listing -sass\ncubin B" and ran() == 3
+    tool.write_text(tool.read_text() + "echo another cuobjdump\n")  # another binary: listed again
+    assert aot._cuobjdump(b"cubin A", "-sass").endswith("another cuobjdump\n") and ran() == 4
+    assert len(list((tmp_path / "cache" / "bert_ds-cuobjdump").iterdir())) == 4
