@@ -75,7 +75,8 @@ def test_listings_are_kept_per_cubin_flags_and_cuobjdump(tmp_path, monkeypatch):
 
     assert aot._cuobjdump(b"cubin A", "-sass") == "listing -sass\ncubin A"
     assert aot._cuobjdump(b"cubin A", "-sass") == "listing -sass\ncubin A" and ran() == 1
-    assert aot._cuobjdump(b"cubin A", "--dump-resource-usage").startswith("listing --dump-resource-usage") and ran() == 2
+    usage = aot._cuobjdump(b"cubin A", "--dump-resource-usage")
+    assert usage.startswith("listing --dump-resource-usage") and ran() == 2
     assert aot._cuobjdump(b"cubin B", "-sass") == "listing -sass\ncubin B" and ran() == 3
     tool.write_text(tool.read_text() + "echo another cuobjdump\n")  # another binary: listed again
     assert aot._cuobjdump(b"cubin A", "-sass").endswith("another cuobjdump\n") and ran() == 4
