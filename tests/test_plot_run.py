@@ -25,16 +25,13 @@ def short_run(shards_128, shards_512, tokenizer_dir, english_corpus, tmp_path_fa
     documents (~40k characters) at seq 128 and 512, a few dozen samples each (the curves need a point per phase end,
     not the thousands of samples of the training sets)."""
     from bert_ds.data.create import create_shards
+    from tests.helpers.eval_shards import write_corpus_tail
 
     tmp = tmp_path_factory.mktemp("plot_run")
-    docs = english_corpus.read_text(encoding="utf-8").strip().split("\n\n")
-    tail = []
-    while sum(map(len, tail)) < 40_000:
-        tail.insert(0, docs.pop())
-    (tmp / "heldout.txt").write_text("\n\n".join(tail) + "\n", encoding="utf-8")
+    heldout = write_corpus_tail(english_corpus, tmp / "heldout.txt", 40_000)
     held_out = [tmp / f"eval{seq}" for seq in (128, 512)]
     for seq, out in zip((128, 512), held_out, strict=True):
-        create_shards([tmp / "heldout.txt"], tokenizer_dir, out, seq_len=seq, seed=4321, progress=False)
+        create_shards([heldout], tokenizer_dir, out, seq_len=seq, seed=4321, progress=False)
     recipe = write_recipe(tmp / "recipe.json")
     run = tmp / "run"
     run_pretrain(["--recipe", str(recipe), "--data", str(shards_128), str(shards_512), "--tokenizer",

@@ -62,17 +62,12 @@ def eval_shards(english_corpus, tokenizer_dir, tmp_path_factory) -> Path:
     """A held-out seq-128 shard set: the corpus's last documents (~60k characters) paired and masked with another
     seed than ``shards_128``; about a hundred samples, so an evaluation takes well under a second."""
     from bert_ds.data.create import create_shards
+    from tests.helpers.eval_shards import write_corpus_tail
 
-    docs = english_corpus.read_text(encoding="utf-8").strip().split("\n\n")
-    tail, chars = [], 0
-    while chars < 60_000:
-        tail.insert(0, docs.pop())
-        chars += len(tail[0])
     root = tmp_path_factory.mktemp("eval_128")
-    (root / "heldout.txt").write_text("\n\n".join(tail) + "\n", encoding="utf-8")
+    heldout = write_corpus_tail(english_corpus, root / "heldout.txt", 60_000)
     out = root / "shards"
-    create_shards([root / "heldout.txt"], tokenizer_dir, out, seq_len=128, seed=4321, samples_per_shard=64,
-                  progress=False)
+    create_shards([heldout], tokenizer_dir, out, seq_len=128, seed=4321, samples_per_shard=64, progress=False)
     return out
 
 

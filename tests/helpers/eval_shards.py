@@ -1,5 +1,5 @@
-"""A small shard set over any vocabulary (random token pairs, static masks) in the real on-disk format, for
-evaluation tests."""
+"""Evaluation inputs: a small shard set over any vocabulary (random token pairs, static masks) in the real on-disk
+format, and the real corpus's last documents as a held-out text."""
 
 from __future__ import annotations
 
@@ -42,3 +42,14 @@ def write_shards(directory: Path, vocab_file: Path, *, num_samples: int, seq_len
                        pairing={"test": True}, seed=seed, shards=shards, total_samples=num_samples)
     index.write(directory)
     return index
+
+
+def write_corpus_tail(corpus: Path, out: Path, chars: int) -> Path:
+    """``out``: the last documents of ``corpus`` (BERT layout, blank-line separated), at least ``chars`` characters."""
+    docs = corpus.read_text(encoding="utf-8").strip().split("\n\n")
+    tail, total = [], 0
+    while total < chars:
+        tail.insert(0, docs.pop())
+        total += len(tail[0])
+    out.write_text("\n\n".join(tail) + "\n", encoding="utf-8")
+    return out

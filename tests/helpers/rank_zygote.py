@@ -65,11 +65,9 @@ def _serve(preload: list[str]) -> dict:
     """Import ``preload``, then fork one child per request, reporting pids and exits; returns only in a child, its
     request."""
     gc.disable()  # as a rank starts (bert_ds.lifecycle.startup_gc): no collections while importing
+    import_muon_compiling_on_first_call()  # as bert_ds.runtime.engine does before deepspeed.initialize
     for name in preload:
-        if name == MUON_MODULE:
-            import_muon_compiling_on_first_call()  # as bert_ds.runtime.engine imports it before deepspeed.initialize
-        else:
-            importlib.import_module(name)
+        importlib.import_module(name)
     gc.collect()
     gc.freeze()
     gc.enable()
