@@ -165,9 +165,9 @@ def import_muon_compiling_on_first_call() -> None:
 
     Only the Muon optimizer calls those functions and bert_ds trains with LAMB or AdamW, so a rank no longer spends
     start-up importing inductor for them (1.5 s under ``python -X importtime``; a whole one-rank ``tiny`` ZeRO-2 run of
-    both phases went from 8.1 to 7.3 CPU seconds on 2 cores, mean of 4). DeepSpeed defers ``torch._disable_dynamo`` the same
-    way and for the same reason (``runtime/compiler.py``, ``lazy_disable``). ``torch.compile`` is the original again
-    when this returns, also if the import raises."""
+    both phases went from 8.1 to 7.3 CPU seconds on 2 cores, mean of 4). DeepSpeed defers ``torch._disable_dynamo``
+    the same way and for the same reason (``runtime/compiler.py``, ``lazy_disable``). ``torch.compile`` is the original
+    again when this returns, also if the import raises."""
     import importlib
     import sys
 
