@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -167,6 +168,32 @@ def test_preemption_is_not_restarted(data, tmp_path):
     assert not out.survivors, out.survivors
 
 
+def _kill_node1_rank_on(pattern: str, node0: subprocess.Popen, node1: psutil.Process, log: Path) -> int | None:
+    """Copy node 0's output to ``log``; SIGKILL node 1's rank on node 0's first line matching ``pattern``. The target
+    is found on the lines before it (rank 0 prints only after the rendezvous), so the kill costs one system call
+    when the line arrives: the phase's last steps take well under a second and must not finish first. Returns the
+    pid killed (None: the pattern never came)."""
+    target, killed = None, None
+    with log.open("w") as out:
+        for line in node0.stdout:
+            out.write(line)
+            out.flush()
+            if killed is None and target is None:
+                with contextlib.suppress(psutil.Error, KeyError):
+                    target = ranks(node1)[0]
+            if killed is None and target is not None and re.search(pattern, line):
+                target.kill()
+                killed = target.pid
+    return killed
+
+
+def _tree_of(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [*root.children(recursive=True), root]
+    except psutil.Error:
+        return []
+
+
 def test_two_nodes_restart_together_and_match(data, reference, tmp_path):
     """Two ``--no_ssh --node_rank`` supervisors (one rank each) on this machine; node 1's rank is killed: node 0's
     rank fails in its next collective (exit 1), each supervisor restarts its node and they meet on the same port."""
@@ -175,19 +202,24 @@ def test_two_nodes_restart_together_and_match(data, reference, tmp_path):
     cmds = [_supervised(2, args, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
                         "127.0.0.1", "--master_port", port) for node in (0, 1)]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-             for cmd, log in zip(cmds, logs, strict=True)]
-    deadline, killed = time.monotonic() + HANG_GUARD_S, None
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if killed is None and re.search(r"^step 3 \|", logs[0].read_text(), re.M):
+    node1 = subprocess.Popen(cmds[1], cwd=REPO, env=child_env(), stdout=logs[1].open("w"), stderr=subprocess.STDOUT)
+    node0 = subprocess.Popen(cmds[0], cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, errors="replace")
+    trees, killed = [psutil.Process(p.pid) for p in (node0, node1)], []
+    reader = threading.Thread(target=lambda: killed.append(_kill_node1_rank_on(r"^step 3 \|", node0, trees[1],
+                                                                                logs[0])), daemon=True)
+    reader.start()
+    try:
+        # A hang guard below pytest's per-test timeout: a stuck supervisor fails this test, not its xdist worker.
+        deadline = time.monotonic() + HANG_GUARD_S / 3
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in (node0, node1)]
+    finally:
+        for proc in [*_tree_of(trees[0]), *_tree_of(trees[1])]:  # no process of this test outlives it
             with contextlib.suppress(psutil.Error):
-                for target in ranks(psutil.Process(procs[1].pid)).values():
-                    target.kill()
-                    killed = target.pid
-        time.sleep(0.2)
-    codes = [p.wait(timeout=60) for p in procs]
+                proc.kill()
+        reader.join(timeout=60)
     text = "".join(log.read_text() for log in logs)
-    assert killed is not None and codes == [0, 0], (codes, text[-6000:])
+    assert killed and killed[0] is not None and codes == [0, 0], (codes, text[-6000:])
     restarts = [r for r in _records(tmp_path / "run") if "restart" in r]
     assert len(restarts) == 2 and {r["restart"] for r in restarts} == {1}, restarts  # one per node
     assert any(r["attempt"]["code"] == 137 for r in restarts), restarts
