@@ -444,10 +444,17 @@ def fill_mask_examples(export_dir: Path, heldout: Path, train_text: Path, count:
     return results
 
 
-def _replace(path: Path, what: str) -> None:
+REPLACED = {"warmup_run": "warm-up run", "warmup_export": "warm-up export", "run": "run", "export": "export",
+            "finetune": "fine-tuning runs"}
+"""The directories a run writes under ``--out`` (besides ``data/``, which is reused) and what they are called: a
+second run removes each just before it writes it again."""
+
+
+def replace_output(path: Path) -> None:
+    """Remove ``path`` (one of :data:`REPLACED` under ``--out``) left by a previous run, saying so."""
     if path.exists():
-        _say(f"    replacing the previous {what} {path}")
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        _say(f"    replacing the previous {REPLACED[path.name]} {path}")
+        shutil.rmtree(path)
 
 
 def _export(run: Path, export_dir: Path) -> None:
@@ -455,7 +462,7 @@ def _export(run: Path, export_dir: Path) -> None:
 
     from bert_ds.export import convert_checkpoint
 
-    _replace(export_dir, "export")
+    replace_output(export_dir)
     chatter = io.StringIO()  # DeepSpeed's zero_to_fp32 narrates on stdout: shown only if the export fails
     try:
         with contextlib.redirect_stdout(chatter), _quiet_transformers():
@@ -508,8 +515,8 @@ def _pretrain(out: Path, dirs: dict[str, Path], quick: bool) -> Path:
     warm_run, warm_export, run = out / "warmup_run", out / "warmup_export", out / "run"
     log_path = out / "train.log"
     log_path.write_text("")
-    for path, what in ((warm_run, "warm-up run"), (warm_export, "warm-up export"), (run, "run")):
-        _replace(path, what)
+    for path in (warm_run, warm_export, run):
+        replace_output(path)
     recipe = out / "warmup_recipe.json"
     warmup = _write_recipe(recipe, quick, WARMUP_RECIPE)
     _say(f"==> [4/9] sequence-length warm-up at seq {warmup['phases'][0]['seq_len']} "
@@ -536,7 +543,7 @@ def _pretraining_gain(out: Path, dirs: dict[str, Path], export_dir: Path, quick:
          f"{settings.n_eval} deduplicated held-out ones, seeds {list(settings.seeds)}, learning rates "
          f"{list(settings.learning_rates)}; the export vs the same architecture from random init")
     work = out / "finetune"
-    _replace(work, "fine-tuning runs")
+    replace_output(work)
     with _quiet_transformers():
         result = compare(export_dir, dirs["train"], dirs["heldout"], work, settings)
     for lr in settings.learning_rates:
