@@ -151,18 +151,22 @@ def check_kill_at_handoff(ctx: Ctx, out: Outcome) -> str:
     return f"{_intact(ctx.run, PHASE1_END)}; {_resume_exactly(ctx)}"
 
 
-def _eval_sets(ctx: Ctx) -> tuple[Path, Path]:
-    return ctx.fixture("eval_shards")
+def _eval_sets(ctx: Ctx, kill_lands_in_it: bool = False) -> tuple[Path, Path]:
+    """Held-out sets for ``--eval-data`` (seq 128, seq 512): small ones, or (``kill_lands_in_it``) the whole corpus
+    at seq 128, whose evaluation outlasts the time a kill takes to land."""
+    sets = ctx.fixture("eval_shards")
+    return (sets["whole128"] if kill_lands_in_it else sets["small128"]), sets["small512"]
 
 
 def kill_during_eval(ctx: Ctx) -> Launch:
     # Evaluation runs right after a step's console line and before that step's checkpoint (eval and checkpoint
     # intervals are both 2): a kill on "step 4" lands in the evaluation of step 4.
-    cmd = rank_command(2, ctx.args("--eval-data", *map(str, _eval_sets(ctx))))
+    cmd = rank_command(2, ctx.args("--eval-data", *map(str, _eval_sets(ctx, kill_lands_in_it=True))))
     return Launch(cmd, Trigger(r"^step 4 \|", kill_rank(1)))
 
 
 def check_kill_during_eval(ctx: Ctx, out: Outcome) -> str:
+    # The resume evaluates too (on the small sets: what is checked is that evaluating leaves training exact).
     assert "eval step 4 " not in out.text() and "phase1-step000004" not in out.text(), "the kill missed the eval"
     return f"{_intact(ctx.run, 'phase1-step000002')}; " + _resume_exactly(
         ctx, "--eval-data", *map(str, _eval_sets(ctx)))
@@ -697,15 +701,19 @@ CASES = [
 # ---- fixtures and the one test ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def eval_shards(english_corpus, tokenizer_dir, tmp_path_factory) -> tuple[Path, Path]:
-    """Held-out-style eval sets (another seed) at seq 128 and 512."""
+def eval_shards(english_corpus, tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
+    """Held-out-style eval sets (another seed): the whole corpus at seq 128 (~1.7k samples), and the corpus's last
+    documents at seq 128 and 512 (~60k characters: a hundred-odd samples each)."""
     from bert_ds.data.create import create_shards
+    from tests.helpers.eval_shards import write_corpus_tail
 
     root = tmp_path_factory.mktemp("fault_eval")
-    for seq in (128, 512):
-        create_shards([english_corpus], tokenizer_dir, root / f"e{seq}", seq_len=seq, dupe_factor=1, seed=99,
+    tail = write_corpus_tail(english_corpus, root / "tail.txt", 60_000)
+    sets = {"whole128": (english_corpus, 128), "small128": (tail, 128), "small512": (tail, 512)}
+    for name, (text, seq) in sets.items():
+        create_shards([text], tokenizer_dir, root / name, seq_len=seq, dupe_factor=1, seed=99,
                       samples_per_shard=10_000, progress=False)
-    return root / "e128", root / "e512"
+    return {name: root / name for name in sets}
 
 
 def test_table_has_every_item():
