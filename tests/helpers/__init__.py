@@ -9,9 +9,12 @@ from bert_ds.runtime.distributed import free_port
 
 __all__ = ["HANG_GUARD_S", "LAUNCHER_VARS", "child_env", "environ", "free_port"]
 
-HANG_GUARD_S = 1800
+HANG_GUARD_S = 600
 """Timeout for a subprocess a test starts: a guard against a hang (a stuck launcher, a lock left by a killed
-DeepSpeed extension build), never a speed check. Generous so the suite passes on a loaded 2-core machine."""
+DeepSpeed extension build), never a speed check. Generous so the suite passes on a loaded 2-core machine (the longest
+subprocess of the suite takes about a minute there), and below pytest-timeout's 900 s per test (pyproject.toml): a hung
+subprocess fails its test with its output, where pytest-timeout would end the whole xdist worker (and a session whose
+worker was replaced that way has been seen to wait for ever instead of finishing)."""
 
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
