@@ -454,7 +454,7 @@ def replace_output(path: Path) -> None:
     """Remove ``path`` (one of :data:`REPLACED` under ``--out``) left by a previous run, saying so."""
     if path.exists():
         _say(f"    replacing the previous {REPLACED[path.name]} {path}")
-        shutil.rmtree(path)
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _export(run: Path, export_dir: Path) -> None:
