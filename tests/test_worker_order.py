@@ -1,4 +1,5 @@
-"""The order ``make test`` hands files to its workers (``tests.helpers.schedule``): heaviest first, each file whole."""
+"""The order ``make test`` hands files to its workers (``tests.helpers.schedule``): heaviest first, the waiting files
+spread through the other heavy ones, each file whole."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.helpers.runs import REPO
-from tests.helpers.schedule import HEAVY_S, LIGHT_S, file_weights, heaviest_files_first
+from tests.helpers.schedule import HEAVY_S, LIGHT_S, file_weights, heaviest_files_first, spread, waiting_files
 
 
 @dataclass
@@ -34,11 +35,33 @@ def test_files_go_heaviest_first_and_whole():
     assert file_weights(items)["tests/launch/test_two.py"] == 2 * HEAVY_S + LIGHT_S
 
 
+def test_waiting_files_are_spread_through_the_other_heavy_files():
+    items = [_Item(f"tests/test_c{n}.py::test_{i}", ("e2e",)) for n in range(6) for i in range(6 - n)]  # 6..1 heavy
+    items += [_Item(f"tests/test_w{n}.py::test_{i}", ("e2e", "waits")) for n in range(2) for i in range(3)]
+    items += [_Item("tests/test_half.py::test_a", ("e2e", "waits")), _Item("tests/test_half.py::test_b", ("e2e",)),
+              _Item("tests/test_half.py::test_c", ("e2e",))]  # a third of it waits: not a waiting file
+    items += [_Item(f"tests/test_light.py::test_{i}") for i in range(3)]
+    assert waiting_files(items) == {"tests/test_w0.py", "tests/test_w1.py"}
+    heaviest_files_first(items)
+    order = list(file_weights(items))
+    assert order == ["tests/test_w0.py", "tests/test_c0.py", "tests/test_c1.py", "tests/test_c2.py",
+                     "tests/test_w1.py", "tests/test_c3.py", "tests/test_half.py", "tests/test_c4.py",
+                     "tests/test_c5.py", "tests/test_light.py"], order
+    # each group keeps its own order, and one group alone is left as it is
+    weights = {"a": 3.0, "b": 2.0, "c": 1.0}
+    abc = ["a", "b", "c"]
+    assert spread(abc, set(), weights) == spread(abc, {"a", "b", "c"}, weights) == abc
+
+
 def test_this_session_runs_heaviest_files_first(request):
-    weights = list(file_weights(request.session.items).values())
-    paths = list(file_weights(request.session.items))
-    assert weights == sorted(weights, reverse=True), paths[:10]
-    assert len(paths) == len({item.nodeid.split("::")[0] for item in request.session.items})  # each file whole
+    items = request.session.items
+    weights, waiting = file_weights(items), waiting_files(items)
+    paths = list(weights)
+    heavy = [p for p in paths if weights[p] >= HEAVY_S]
+    assert paths[:len(heavy)] == heavy, paths[:10]  # the heavy files first
+    for group in ([p for p in heavy if p not in waiting], [p for p in heavy if p in waiting], paths[len(heavy):]):
+        assert [weights[p] for p in group] == sorted((weights[p] for p in group), reverse=True), group[:10]
+    assert len(paths) == len({item.nodeid.split("::")[0] for item in items})  # each file whole
 
 
 def test_make_passes_the_order_to_xdist():

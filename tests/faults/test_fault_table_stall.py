@@ -25,7 +25,8 @@ from bert_ds.lifecycle import hang_watchdog
 from tests.helpers.faults import Launch, Trigger, execute, fault_recipe, ranks, report_row
 from tests.helpers.ranks import rank_command, spawn_ranks
 
-pytestmark = pytest.mark.e2e
+# waits: the step timeout, then the launcher's grace before it kills the stopped rank
+pytestmark = [pytest.mark.e2e, pytest.mark.waits]
 
 STEP_TIMEOUT_S = 20
 SLACK_S = 150

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import HANG_GUARD_S, child_env, free_port
 from tests.helpers.runs import REPO
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.waits]  # waits: the 61-s collective timeout
 
 RANK_CODE = """
 import sys, time

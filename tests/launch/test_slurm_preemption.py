@@ -29,7 +29,8 @@ import torch
 from tests.helpers import HANG_GUARD_S, child_env
 from tests.helpers.runs import REPO, SMALL_RECIPE, run_pretrain, weights, write_recipe
 
-pytestmark = pytest.mark.e2e
+# waits: each requeue waits for the job credential to expire (.ci/start_slurm.sh, cred_expire) on no core
+pytestmark = [pytest.mark.e2e, pytest.mark.waits]
 
 PHASE1_STEPS = 40
 FINAL_TAG = "phase2-step000002"

@@ -105,6 +105,7 @@ def _stop_rank1_in_step(launcher: psutil.Process) -> str:
     return f"SIGSTOP to rank 1 (pid {target.pid})"
 
 
+@pytest.mark.waits  # the step timeout, then the launcher's grace before it kills the stopped rank
 def test_sigstop_stall_is_restarted_and_matches(data, reference, tmp_path):
     cmd = _supervised(1, _args(tmp_path, data, "--step-timeout", "5"))
     out = execute(Launch(cmd, Trigger(r"^step 3 \|", _stop_rank1_in_step)))
