@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 # are built once). 3 on the 2-core machines CI runs on: much of a launched test is one process waiting (a launcher,
 # a rendezvous, a Slurm requeue); with 2 the cores sat idle 9% of the suite, with 3 1%. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
+# The suite starts ~1,300 Python processes: each reads the project's compiled modules (and pytest's rewritten test
+# modules) from __pycache__ instead of compiling them again, even where PYTHONDONTWRITEBYTECODE is set (it is on the machines here).
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
 
 .PHONY: venv demo test test-fast lint bench clean
 
@@ -44,11 +47,11 @@ test: venv
 	    sudo -n .ci/start_slurm.sh || echo "make test: sudo .ci/start_slurm.sh failed; the Slurm tests will skip"; \
 	  fi; \
 	fi
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The default tier: no process tree of ranks (tests/helpers/tiers.py), minutes on 2 cores.
 test-fast: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not slow and not slurm and not gpu" tests
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not slow and not slurm and not gpu" tests
 
 lint: venv
 	$(PY) -m ruff check .
