@@ -66,9 +66,18 @@ def test_this_session_runs_heaviest_files_first(request):
 
 def test_make_passes_the_order_to_xdist():
     # Without --no-loadscope-reorder xdist re-sorts the files by how many tests each holds, cheapest-heavy first.
-    commands = re.findall(r"^\t\$\(PY\) -m pytest (.*)$", (REPO / "Makefile").read_text(), flags=re.M)
+    commands = re.findall(r"^\t(?:\$\(TEST_ENV\) )?\$\(PY\) -m pytest (.*)$", (REPO / "Makefile").read_text(),
+                          flags=re.M)
     assert len(commands) == 2 and all("--dist loadfile --no-loadscope-reorder" in c for c in commands), commands
 
+
+
+def test_make_lets_the_suite_write_bytecode():
+    # Each of the suite's processes then reads the project's modules compiled, also where the machine sets
+    # PYTHONDONTWRITEBYTECODE (an empty value turns it off).
+    text = (REPO / "Makefile").read_text()
+    assert re.search(r"^TEST_ENV := PYTHONDONTWRITEBYTECODE=$", text, flags=re.M), "TEST_ENV"
+    assert len(re.findall(r"^\t\$\(TEST_ENV\) \$\(PY\) -m pytest ", text, flags=re.M)) == 2
 
 def test_a_worker_takes_its_share_of_the_cores_for_torch_threads():
     # tests/conftest.py: 2 workers on 2 cores -> 1 intra-op thread each (in-process fine-tunes otherwise spin in OpenMP
