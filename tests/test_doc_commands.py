@@ -85,6 +85,9 @@ RULES: dict[str, list[Rule]] = {
         Rule(r"^python tools/bench_(create|loader|lamb)\.py", "cannot", TIMING),
         Rule(r"^python -m bert_ds\.devtools\.suite_profile .* -- make test", "covered",
              "tests/test_suite_profile.py::test_cpu_is_charged_to_the_test_that_started_the_process"),
+        Rule(r"^BERT_DS_TEST_CPU=\S+ PYTEST_ADDOPTS=\"-p tests\.helpers\.cpu_per_test\" make test$|"
+             r"^python -m tests\.helpers\.cpu_per_test ", "covered",
+             "tests/test_cpu_per_test.py::test_each_process_is_charged_to_the_test_that_ran_it"),
     ],
     "docs/cluster.md": [
         Rule(r"^FOLLOWUPS=5 slurm/submit_chain\.sh", "covered",
