@@ -30,7 +30,7 @@ def _forked(tmp_path, **env):
     script = tmp_path / "burn.py"
     script.write_text(BURN)
     rank = fork_rank([str(script)], child_env(RANK="0", **env), REPO, os.devnull, os.devnull, ready_timeout=600,
-                     preload=("json",))
+                     preload=())
     assert rank.wait(600) == 0
 
 

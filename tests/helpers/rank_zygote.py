@@ -246,4 +246,4 @@ def _close_at_exit() -> None:
 
 
 if __name__ == "__main__":
-    _become_rank(_serve(sys.argv[1].split(",")))
+    _become_rank(_serve([name for name in sys.argv[1].split(",") if name]))  # "": nothing preloaded
