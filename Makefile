@@ -9,7 +9,8 @@ TORCH_VERSION ?= 2.13.0
 # a rendezvous, a Slurm requeue); with 2 the cores sat idle 9% of the suite, with 3 1%. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 # The suite starts ~1,300 Python processes: each reads the project's compiled modules (and pytest's rewritten test
-# modules) from __pycache__ instead of compiling them again, even where PYTHONDONTWRITEBYTECODE is set (it is on the machines here).
+# modules) from __pycache__ instead of compiling them again, even where PYTHONDONTWRITEBYTECODE is set (as on the
+# machines here).
 TEST_ENV := PYTHONDONTWRITEBYTECODE=
 
 .PHONY: venv demo test test-fast lint bench clean
