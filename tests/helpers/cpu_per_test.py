@@ -11,7 +11,8 @@ A test's CPU is three parts, each a difference between the test's start and end 
   reaps, read from its ``/proc`` times (its own and its reaped children's). A zygote the worker reaps during a test
   moves its whole total into ``RUSAGE_CHILDREN``; what was already counted of it is taken off again.
 Unlike ``bert_ds.devtools.suite_profile`` (which samples ``/proc`` and misses short processes), nothing is sampled:
-every process's CPU reaches one test, the one running when its reaper reaped it.
+a process's CPU reaches the test running when the worker or a zygote reaped it (or reaped its ancestor). Not counted:
+what another process reaps (a Slurm job step's, under slurmd; a daemon that left its parent).
 Each line: ``[nodeid, worker, start (epoch s), wall s, self s, children s, zygote s]``.
 """
 
