@@ -71,13 +71,13 @@ def test_make_passes_the_order_to_xdist():
     assert len(commands) == 2 and all("--dist loadfile --no-loadscope-reorder" in c for c in commands), commands
 
 
-
 def test_make_lets_the_suite_write_bytecode():
     # Each of the suite's processes then reads the project's modules compiled, also where the machine sets
     # PYTHONDONTWRITEBYTECODE (an empty value turns it off).
     text = (REPO / "Makefile").read_text()
     assert re.search(r"^TEST_ENV := PYTHONDONTWRITEBYTECODE=$", text, flags=re.M), "TEST_ENV"
     assert len(re.findall(r"^\t\$\(TEST_ENV\) \$\(PY\) -m pytest ", text, flags=re.M)) == 2
+
 
 def test_a_worker_takes_its_share_of_the_cores_for_torch_threads():
     # tests/conftest.py: 2 workers on 2 cores -> 1 intra-op thread each (in-process fine-tunes otherwise spin in OpenMP
